@@ -1,0 +1,144 @@
+"""The post-import hook: apply every patch, in order, each one isolated.
+
+``activate`` runs when ``torch.distributed.fsdp._fully_shard`` has been imported (wrapt calls it
+from inside that import, while the parent ``torch.distributed.fsdp`` is still importing: nothing
+here touches the parent). An exception inside one patch is recorded in the registry and never
+reaches the user's ``import torch...``, never stops the other patches, and leaves torch untouched
+(each patch applies all-or-nothing). ``FSDP_AUTOPATCH_STRICT=1`` re-raises instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any
+
+from ._config import PATCH_NAMES, Settings, read_settings
+from ._registry import REGISTRY, PatchStatus
+
+logger = logging.getLogger("fsdp_autopatch")
+logger.addHandler(logging.NullHandler())
+
+_lock = threading.RLock()  # two threads importing FSDP2 at once must not patch twice
+
+
+def activate(module: Any = None) -> None:
+    """Apply the patches. Idempotent; never raises unless ``FSDP_AUTOPATCH_STRICT=1``."""
+    with _lock:
+        settings = _read_settings_safely()
+        _configure_logging(settings)
+        REGISTRY.record_torch_version(_torch_version())
+        try:
+            from .patches import load_patches
+
+            patches = load_patches()
+        except Exception as error:
+            _fail_all(f"loading the patches failed: {type(error).__name__}: {error}", settings)
+            return
+        for patch in patches:
+            _apply_isolated(patch, settings)
+        _apply_policies(settings)
+
+
+def _read_settings_safely() -> Settings:
+    try:
+        return read_settings()
+    except Exception:  # never let a parsing bug break the import of torch
+        logger.exception("reading FSDP_AUTOPATCH_* variables failed; using defaults")
+        return Settings()
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")
+    return str(getattr(torch, "__version__", "unknown")) if torch is not None else None
+
+
+def _apply_isolated(patch: Any, settings: Settings) -> None:
+    status, _ = REGISTRY.get(patch.name)
+    if status is PatchStatus.APPLIED:
+        return  # idempotent: a second activation leaves an applied patch alone
+    enabled, why = settings.patch_enabled(patch.name)
+    if not enabled:
+        _record(patch.name, PatchStatus.DISABLED, f"disabled by {why}")
+        return
+    try:
+        verdict = patch.check()
+        if verdict.status == "needed":
+            changed = patch.apply()
+            _record(patch.name, PatchStatus.APPLIED, f"{verdict.reason}; {changed}")
+        else:
+            _record(patch.name, PatchStatus(verdict.status), verdict.reason)
+    except Exception as error:
+        _record(patch.name, PatchStatus.FAILED, f"{type(error).__name__}: {error}")
+        logger.debug("patch %s failed", patch.name, exc_info=True)
+        if settings.strict:
+            raise
+
+
+def _apply_policies(settings: Settings) -> None:
+    if not settings.reduce_scatter_unused_params:
+        return
+    status, _ = REGISTRY.get("unused_param_reduction")
+    if status not in (PatchStatus.APPLIED, PatchStatus.NOT_NEEDED):
+        REGISTRY.record_policy(
+            "reduce_scatter_unused_params_default_on",
+            f"requested but not applied: unused_param_reduction is {status.value}",
+        )
+        return
+    try:
+        from .patches import unused_param_reduction
+
+        description = unused_param_reduction.apply_default_on_policy()
+        REGISTRY.record_policy(
+            "reduce_scatter_unused_params_default_on",
+            f"{description} (FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1)",
+        )
+    except Exception as error:
+        REGISTRY.record_policy(
+            "reduce_scatter_unused_params_default_on", f"failed: {type(error).__name__}: {error}"
+        )
+        if settings.strict:
+            raise
+
+
+def _record(name: str, status: PatchStatus, reason: str) -> None:
+    REGISTRY.record(name, status, reason)
+    level = logging.WARNING if status is PatchStatus.FAILED else logging.INFO
+    logger.log(level, "%s: %s (%s)", name, status.value, reason)
+
+
+def _fail_all(reason: str, settings: Settings) -> None:
+    for name in PATCH_NAMES:
+        _record(name, PatchStatus.FAILED, reason)
+    if settings.strict:
+        raise RuntimeError(f"fsdp-autopatch: {reason}")
+
+
+def record_unavailable(reason: str) -> None:
+    """The hook could not be armed at all (e.g. wrapt missing): every patch is unsupported."""
+    for name in PATCH_NAMES:
+        REGISTRY.record(name, PatchStatus.UNSUPPORTED, reason)
+
+
+def _configure_logging(settings: Settings) -> None:
+    """``FSDP_AUTOPATCH_LOG_LEVEL`` attaches one stderr handler; otherwise the library stays silent."""
+    if settings.log_level is None:
+        return
+    logger.setLevel(settings.log_level)
+    if not any(getattr(h, "_fsdp_autopatch", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("fsdp-autopatch %(levelname)s: %(message)s"))
+        handler._fsdp_autopatch = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
+def revert_all() -> None:
+    """Undo every patch and policy and mark them pending again (tests)."""
+    from .patches import load_patches, unused_param_reduction
+
+    with _lock:
+        unused_param_reduction.revert_default_on_policy()
+        for patch in reversed(load_patches()):
+            patch.revert()
+        REGISTRY.reset()

@@ -1,0 +1,175 @@
+"""Helpers the patches share: torch version parsing, FSDP2 internals lookup, atomic patching.
+
+Imported only once torch's FSDP2 is being imported, so torch, wrapt and packaging are fair game.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any, Callable, Iterable, NamedTuple
+
+import wrapt
+from packaging.version import InvalidVersion, Version
+
+FSDP2_PACKAGE = "torch.distributed.fsdp._fully_shard"
+
+
+class Verdict(NamedTuple):
+    """A patch's answer to "needed here?": ``status`` is "needed", "not_needed" or "unsupported"."""
+
+    status: str
+    reason: str
+
+
+def needed(reason: str) -> Verdict:
+    return Verdict("needed", reason)
+
+
+def not_needed(reason: str) -> Verdict:
+    return Verdict("not_needed", reason)
+
+
+def unsupported(reason: str) -> Verdict:
+    return Verdict("unsupported", reason)
+
+
+# --- torch version ---------------------------------------------------------------------------
+
+
+def parse_torch_version(raw: str) -> Version | None:
+    """The release a torch version string belongs to, or None if it is not PEP 440.
+
+    Local parts and pre-releases count as the release they lead to: ``2.13.0+cpu`` -> 2.13.0,
+    ``2.9.0.dev20250801+cu128`` -> 2.9.0, NGC's ``2.8.0a0+git1234`` -> 2.8.0. A nightly of 2.15
+    is therefore judged as 2.15, which is why every patch also checks the internals themselves.
+    """
+    try:
+        return Version(Version(raw).base_version)
+    except (InvalidVersion, TypeError):
+        return None
+
+
+def torch_release() -> Version | None:
+    torch = sys.modules.get("torch")
+    return parse_torch_version(getattr(torch, "__version__", "")) if torch else None
+
+
+def describe(version: Version | None) -> str:
+    return f"torch {version}" if version is not None else "torch (unparsable version)"
+
+
+def before(version: Version | None, release: str) -> bool:
+    """``version < release``; an unparsable version counts as "not before" (structure decides)."""
+    return version is not None and version < Version(release)
+
+
+# --- FSDP2 internals -------------------------------------------------------------------------
+
+
+def fsdp_module(name: str) -> ModuleType:
+    """A submodule of torch's FSDP2 package, e.g. ``fsdp_module("_fsdp_param_group")``."""
+    full_name = f"{FSDP2_PACKAGE}.{name}"
+    module = sys.modules.get(full_name)
+    if module is None:
+        import importlib
+
+        module = importlib.import_module(full_name)
+    return module
+
+
+def class_attr(cls: type, name: str) -> Any:
+    """The attribute as defined on the class (no descriptor binding), or None."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def code_of(func: Any) -> Any:
+    """The code object of the innermost function behind wrappers (wrapt, functools.wraps,
+    ``torch._dynamo.disable``), or None."""
+    for _ in range(10):
+        inner = getattr(func, "__wrapped__", None)
+        if inner is None:
+            break
+        func = inner
+    return getattr(func, "__code__", None)
+
+
+def reads_names(func: Any, *names: str) -> bool:
+    """Whether a function's own bytecode refers to all ``names`` (attributes or globals)."""
+    code = code_of(func)
+    return code is not None and all(name in code.co_names for name in names)
+
+
+def has_string_constant(func: Any, fragment: str) -> bool:
+    """Whether a function's bytecode holds a string constant containing ``fragment``."""
+    code = code_of(func)
+    return code is not None and any(isinstance(c, str) and fragment in c for c in code.co_consts)
+
+
+def first_parameters(func: Any, count: int) -> tuple[str, ...]:
+    code = code_of(func)
+    return tuple(code.co_varnames[:count]) if code is not None else ()
+
+
+def state_param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's ``FSDPParamGroup``s: torch >= 2.12 keeps a list, older ones keep one or None."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+# --- atomic, reversible patching ---------------------------------------------------------------
+
+_MISSING = object()
+# patch name -> the (owner, attribute, original) triples it replaced, in order
+_applied: dict[str, list[tuple[Any, str, Any]]] = {}
+
+
+def is_applied(patch_name: str) -> bool:
+    return patch_name in _applied
+
+
+def wrap(original: Any, wrapper: Callable[..., Any]) -> Any:
+    """A wrapt ``FunctionWrapper``: keeps the original's name, docstring and signature."""
+    return wrapt.FunctionWrapper(original, wrapper)
+
+
+def replace_all(patch_name: str, replacements: Iterable[tuple[Any, str, Any]]) -> None:
+    """Set every ``owner.attribute = value``, all or nothing; idempotent per patch name.
+
+    If any assignment fails, the ones already made are undone before the error propagates, so
+    half-applied is never a state torch is left in.
+    """
+    if patch_name in _applied:
+        return
+    done: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, attribute, value in replacements:
+            original = vars(owner).get(attribute, _MISSING)
+            setattr(owner, attribute, value)
+            done.append((owner, attribute, original))
+    except BaseException:
+        _undo(done)
+        raise
+    _applied[patch_name] = done
+
+
+def revert(patch_name: str) -> None:
+    """Undo one patch (tests). Revert patches in the reverse order of application."""
+    _undo(_applied.pop(patch_name, []))
+
+
+def _undo(done: list[tuple[Any, str, Any]]) -> None:
+    for owner, attribute, original in reversed(done):
+        if original is _MISSING:
+            try:
+                delattr(owner, attribute)
+            except AttributeError:
+                pass
+        else:
+            setattr(owner, attribute, original)

@@ -1,0 +1,124 @@
+"""uniform_reduce_dtype: give every FSDP2 reduce-scatter one gradient dtype.
+
+The bug
+    ``foreach_reduce`` asserts that all gradients of one ``FSDPParamGroup`` share a dtype. With
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` and gradient
+    accumulation, gradients accumulated in earlier micro-batches are fp32 (``reduce_dtype``) while a
+    parameter first used in the last micro-batch, or the bf16 zero of the unused-param fill, is
+    bf16 (``param_dtype``)::
+
+        AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16, torch.float32}
+
+    The assertion may fire on one rank only, leaving its peers hanging in the reduce-scatter.
+    Upstream: PyTorch issue 196996, PR 160279; NeMo Automodel PR 3540.
+
+Torch versions
+    2.6 - 2.14 assert. torch 2.15 removed the assertion (accumulation rewritten around
+    ``Tensor.grad_dtype``): not needed there.
+
+Needed here?
+    ``_fsdp_collectives.foreach_reduce`` takes ``(fsdp_params, unsharded_grads, ...)`` and its
+    bytecode holds the "expects uniform gradient dtype" message -> needed. Message absent on
+    torch >= 2.15 -> not needed. Anything else -> unsupported.
+
+The replacement
+    ``foreach_reduce`` wrapped at every module that imported it by name (``_fsdp_collectives`` and
+    ``_fsdp_param_group``). When the floating-point gradient dtypes of one call differ, each
+    gradient is converted to their type promotion (``torch.promote_types``: bf16 with fp32 gives
+    fp32, bf16 with fp16 gives fp32, never an arbitrary pick), *in place in the list*, because the
+    list owns the gradient references and torch clears it. Values do not change: foreach_reduce
+    copies every gradient into a ``reduce_dtype`` buffer anyway. A uniform list passes through
+    untouched (same tensor objects), and non-float mixtures (or dtypes without a promotion, such as
+    fp8) are left alone so torch's assertion still fires for a genuine error.
+
+Disable with ``FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+
+from .. import _compat
+from . import Patch
+
+NAME = "uniform_reduce_dtype"
+_FUNCTION = "foreach_reduce"
+_ASSERT_MESSAGE = "expects uniform gradient dtype"
+
+
+def _collectives():
+    return _compat.fsdp_module("_fsdp_collectives")
+
+
+def check() -> _compat.Verdict:
+    version = _compat.torch_release()
+    function = getattr(_collectives(), _FUNCTION, None)
+    if function is None or _compat.first_parameters(function, 2) != ("fsdp_params", "unsharded_grads"):
+        return _compat.unsupported(
+            f"{_FUNCTION}(fsdp_params, unsharded_grads, ...) not found in {_compat.describe(version)}"
+        )
+    if not _compat.has_string_constant(function, _ASSERT_MESSAGE):
+        if not _compat.before(version, "2.15"):
+            return _compat.not_needed(
+                f"{_compat.describe(version)}: {_FUNCTION} no longer asserts a uniform gradient dtype"
+            )
+        return _compat.unsupported(f"{_FUNCTION} in {_compat.describe(version)} has no dtype assertion")
+    return _compat.needed(f"{_compat.describe(version)}: {_FUNCTION} asserts a uniform gradient dtype")
+
+
+def widest_float_dtype(dtypes) -> Any:
+    """The type promotion of several floating dtypes, or None if they have none (e.g. fp8)."""
+    try:
+        return functools.reduce(torch.promote_types, dtypes)
+    except RuntimeError:  # "Promotion for Float8 Types is not supported"
+        return None
+
+
+def make_uniform(grads: list) -> None:
+    """Convert, in place, mixed floating-point gradients to their promoted dtype."""
+    dtypes = {grad.dtype for grad in grads}
+    if len(dtypes) < 2 or not all(dtype.is_floating_point for dtype in dtypes):
+        return
+    target = widest_float_dtype(dtypes)
+    if target is None:
+        return
+    for index, grad in enumerate(grads):
+        if grad.dtype != target:
+            grads[index] = grad.to(target)
+
+
+def _uniform_dtype_reduce(wrapped, instance, args, kwargs):
+    grads = args[1] if len(args) > 1 else kwargs.get("unsharded_grads")
+    if grads:
+        make_uniform(grads)
+    return wrapped(*args, **kwargs)
+
+
+def _import_sites(original) -> list:
+    """Every loaded torch.distributed module that holds ``foreach_reduce`` under that name."""
+    sites = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and module is not None:
+            if vars(module).get(_FUNCTION) is original:
+                sites.append(module)
+    return sites
+
+
+def apply() -> str:
+    original = getattr(_collectives(), _FUNCTION)
+    wrapper = _compat.wrap(original, _uniform_dtype_reduce)
+    sites = _import_sites(original)
+    _compat.replace_all(NAME, [(module, _FUNCTION, wrapper) for module in sites])
+    names = ", ".join(sorted(module.__name__.rsplit(".", 1)[-1] for module in sites))
+    return f"{_FUNCTION} widens mixed gradient dtypes (wrapped in {names})"
+
+
+def revert() -> None:
+    _compat.revert(NAME)
+
+
+PATCH = Patch(NAME, "widen mixed gradient dtypes before reduce-scatter", check, apply, revert)

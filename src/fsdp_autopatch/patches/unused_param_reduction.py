@@ -1,0 +1,170 @@
+"""unused_param_reduction: backport ``FSDPModule.set_reduce_scatter_unused_params`` to torch < 2.13.
+
+The bug
+    When ranks use different parameters inside one FSDP unit (MoE experts that got no tokens on a
+    rank, a multimodal branch skipped by some ranks' data), a rank without a gradient leaves that
+    parameter out of its reduce-scatter, so the ranks' reduce-scatter inputs differ: gloo aborts
+    on a size mismatch, NCCL may hang or silently mix up gradients of equally shaped parameters.
+    Upstream: PyTorch issue 158719, PR 174862; torchtitan issue 2747.
+
+    torch 2.13 added ``FSDPModule.set_reduce_scatter_unused_params(bool, *, recurse=True)``: a unit
+    with the flag on contributes a zero gradient for a parameter it did not use, so every rank
+    issues the same collective (like DDP's ``find_unused_parameters``).
+
+Torch versions
+    Backported to 2.6 - 2.12. Not needed from 2.13 (torch has the method).
+
+Needed here?
+    ``FSDPModule.set_reduce_scatter_unused_params`` exists -> not needed. Otherwise
+    ``FSDPParamGroup.post_backward`` must look as it does in 2.6 - 2.12 (reads ``reduce_grads``,
+    ``fsdp_params`` and the lazily created ``_unsharded_param``) -> needed; else unsupported.
+
+The replacement
+    * ``FSDPModule.set_reduce_scatter_unused_params(reduce_scatter_unused_params, *, recurse=True)``
+      with torch 2.13's signature and semantics: a per-unit flag, off by default, stored in the same
+      attribute torch 2.13 uses (``FSDPParamGroup.reduce_scatter_unused_params``), so user code is
+      the same on every version.
+    * ``FSDPParamGroup.post_backward`` wrapped: when the flag is on and the unit reduces gradients
+      in this backward, each unsharded parameter that requires grad but has no local gradient gets
+      ``grad = zeros_like(unsharded_param)`` just before torch's own post-backward reads it (the same
+      zero torch 2.13 appends). The zero has ``param_dtype``; mixing it with fp32 accumulated
+      gradients is what ``uniform_reduce_dtype`` handles.
+
+Policy
+    ``FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1``: every FSDP unit starts with the flag on, on
+    every torch version, for users who cannot edit their training code. Recorded in the registry's
+    ``policies``. Off by default, as in torch.
+
+Disable with ``FSDP_AUTOPATCH_UNUSED_PARAM_REDUCTION_ENABLED=0``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _compat
+from . import Patch
+
+NAME = "unused_param_reduction"
+POLICY = "reduce_scatter_unused_params_default_on"
+_METHOD = "set_reduce_scatter_unused_params"
+_FLAG = "reduce_scatter_unused_params"  # FSDPParamGroup attribute, as in torch >= 2.13
+
+
+def _classes() -> tuple[type, type]:
+    fsdp_module = _compat.fsdp_module("_fully_shard").FSDPModule
+    param_group = _compat.fsdp_module("_fsdp_param_group").FSDPParamGroup
+    return fsdp_module, param_group
+
+
+def has_native_api() -> bool:
+    """Whether torch itself provides ``FSDPModule.set_reduce_scatter_unused_params``."""
+    fsdp_module, _ = _classes()
+    method = _compat.class_attr(fsdp_module, _METHOD)
+    return method is not None and not getattr(method, "__fsdp_autopatch__", False)
+
+
+def check() -> _compat.Verdict:
+    version = _compat.torch_release()
+    if has_native_api():
+        return _compat.not_needed(f"{_compat.describe(version)} provides FSDPModule.{_METHOD}")
+    _, param_group = _classes()
+    post_backward = _compat.class_attr(param_group, "post_backward")
+    if post_backward is None or not _compat.reads_names(
+        post_backward, "reduce_grads", "fsdp_params", "_unsharded_param"
+    ):
+        return _compat.unsupported(
+            f"FSDPParamGroup.post_backward in {_compat.describe(version)} is not the 2.6-2.12 one"
+        )
+    return _compat.needed(f"{_compat.describe(version)} lacks FSDPModule.{_METHOD}: backported")
+
+
+def _make_setter(fsdp_module_cls: type):
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """
+        Sets whether to include zero gradients for parameters that did not
+        receive a gradient in backward. This is needed when different ranks
+        use different parameters due to conditional control flow (e.g.
+        multi-modal models, mixture of experts), causing mismatched
+        reduce-scatter collectives. Similar to DDP's
+        ``find_unused_parameters``.
+
+        Backported from torch 2.13 by fsdp-autopatch (patch ``unused_param_reduction``).
+
+        Args:
+            reduce_scatter_unused_params (bool): Whether to include zero
+                gradients for unused parameters in gradient reduction.
+            recurse (bool): Whether to set for all FSDP submodules or just
+                the passed-in module.
+        """
+        modules = list(self.modules()) if recurse else [self]
+        for module in modules:
+            if isinstance(module, fsdp_module_cls):
+                for group in _compat.state_param_groups(module._get_fsdp_state()):
+                    setattr(group, _FLAG, reduce_scatter_unused_params)
+
+    set_reduce_scatter_unused_params.__fsdp_autopatch__ = True
+    return set_reduce_scatter_unused_params
+
+
+def _needs_zero_grad(fsdp_param) -> bool:
+    # Never unsharded (its unit never ran forward): torch skips it in post_backward, so do we.
+    unsharded = vars(fsdp_param).get("_unsharded_param")
+    return (
+        unsharded is not None
+        and unsharded.requires_grad
+        and unsharded.grad is None
+        and getattr(fsdp_param, "unsharded_accumulated_grad", None) is None
+    )
+
+
+def _zero_fill_unused(wrapped, group, args, kwargs):
+    if group.reduce_grads and getattr(group, _FLAG, False):
+        for fsdp_param in group.fsdp_params:
+            if _needs_zero_grad(fsdp_param):
+                unsharded = fsdp_param._unsharded_param
+                unsharded.grad = torch.zeros_like(unsharded)
+    return wrapped(*args, **kwargs)
+
+
+def apply() -> str:
+    fsdp_module, param_group = _classes()
+    post_backward = _compat.class_attr(param_group, "post_backward")
+    _compat.replace_all(
+        NAME,
+        [
+            (fsdp_module, _METHOD, _make_setter(fsdp_module)),
+            (param_group, "post_backward", _compat.wrap(post_backward, _zero_fill_unused)),
+        ],
+    )
+    return f"FSDPModule.{_METHOD} provided; post_backward zero-fills unused params of flagged units"
+
+
+def revert() -> None:
+    _compat.revert(NAME)
+
+
+# --- FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1 ---------------------------------------------
+
+
+def _start_with_flag_on(wrapped, group, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    setattr(group, _FLAG, True)
+    return result
+
+
+def apply_default_on_policy() -> str:
+    """Every ``FSDPParamGroup`` created from now on starts with the unused-param fill on."""
+    _, param_group = _classes()
+    init = _compat.class_attr(param_group, "__init__")
+    _compat.replace_all(POLICY, [(param_group, "__init__", _compat.wrap(init, _start_with_flag_on))])
+    return "every FSDP unit starts with reduce_scatter_unused_params on"
+
+
+def revert_default_on_policy() -> None:
+    _compat.revert(POLICY)
+
+
+PATCH = Patch(NAME, "backport FSDPModule.set_reduce_scatter_unused_params", check, apply, revert)
