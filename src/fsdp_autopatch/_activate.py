@@ -64,6 +64,16 @@ def _apply_isolated(patch: Any, settings: Settings) -> None:
         return
     try:
         verdict = patch.check()
+    except (ImportError, AttributeError) as error:
+        # The internals the patch inspects are not there: this torch is shaped differently.
+        _record(patch.name, PatchStatus.UNSUPPORTED, f"torch internals differ: {type(error).__name__}: {error}")
+        return
+    except Exception as error:
+        _record(patch.name, PatchStatus.FAILED, f"check raised {type(error).__name__}: {error}")
+        if settings.strict:
+            raise
+        return
+    try:
         if verdict.status == "needed":
             changed = patch.apply()
             _record(patch.name, PatchStatus.APPLIED, f"{verdict.reason}; {changed}")

@@ -75,6 +75,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -451,27 +452,42 @@ def _check_loss(losses: list[float]) -> dict[str, Any]:
 
 
 def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[str, Any]) -> None:
+    clock = time.monotonic()
+    timings = result["seconds"] = {}
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        timings[phase] = round(now - clock, 2)
+        clock = now
+
     result["install_note"] = _ensure_installed()  # before torch, like the .pth would
     import torch
     import torch.distributed as dist
     from datetime import timedelta
 
-    torch.set_num_threads(1)  # two ranks share two cores
     from torch.distributed.device_mesh import init_device_mesh
     import torch.distributed.fsdp  # noqa: F401  -- the patches are applied on this import
 
+    torch.set_num_threads(1)  # two ranks share two cores
+    # torch 2.13 warns whenever an FSDP unit returns a view (any nn.Linear on a 3-D input does):
+    # harmless here, no output is modified in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     if rank == 0:
         result["registry"] = _registry_snapshot()
         result["torch"] = torch.__version__
+    lap("import")
     progress.at("init_process_group")
     dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     progress.at("fully_shard")
     model = _shard(build_model(), mesh)
     result["fill"] = _enable_fill(model, scenario)
+    lap("setup")
     run = _train(model, rank, progress)
     dist.barrier()
     dist.destroy_process_group()
+    lap("train")
     if rank == 0:
         progress.at("checking invariants")
         result["checks"] = {
@@ -479,6 +495,7 @@ def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[st
             "unused_expert": _check_unused_expert(run),
             "loss": _check_loss(run["losses"]),
         }
+        lap("check")
 
 
 def _worker_main(scenario_key: str, rank: int, out_dir: str, deadline_s: float) -> int:
@@ -511,23 +528,57 @@ def _worker_main(scenario_key: str, rank: int, out_dir: str, deadline_s: float) 
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    kind: str  # "crash" (died without a report), "exception" or "killed" (by the demo)
+    text: str  # the error message (for a crash: the native error it printed)
+    where: str = ""  # what the rank was doing, if it could tell
+    error_type: str = ""
+
+
 @dataclass
 class RunResult:
     scenario: Scenario
     seconds: float
     returncodes: list[int | None]
     ranks: list[dict[str, Any] | None]  # each rank's JSON report (None if it died without one)
-    stderr_tails: list[str]
+    output_tails: list[str]
+    killed: list[int]  # ranks the demo had to kill (stuck in a collective or past the timeout)
     timed_out: bool
 
     @property
     def rank0(self) -> dict[str, Any]:
         return self.ranks[0] or {}
 
-    def errors(self) -> list[tuple[int, dict[str, Any]]]:
-        """(rank, error) pairs, the first failure first: later ones are often its echo."""
-        found = [(r, rep["error"]) for r, rep in enumerate(self.ranks) if rep and rep.get("error")]
-        return sorted(found, key=lambda item: item[1].get("time", 0.0))
+    def failures(self) -> list[Failure]:
+        """Every rank's failure, the likely cause first.
+
+        A rank that died natively (gloo aborts on a collective size mismatch) comes first, since
+        its peer's error is then only "connection reset"; then Python exceptions in the order they
+        happened; then ranks the demo killed because they were still waiting for their peer.
+        """
+        crashes, exceptions, killed = [], [], []
+        for rank, report in enumerate(self.ranks):
+            if rank in self.killed:
+                killed.append(Failure(rank, "killed", "still blocked, killed by the demo"))
+            elif report and report.get("error"):
+                error = report["error"]
+                exceptions.append((error.get("time", 0.0), Failure(
+                    rank, "exception", error["message"], error["where"], error["type"])))
+            elif report is None and self.returncodes[rank] != 0:
+                text = _native_error(self.output_tails[rank])
+                crashes.append(Failure(rank, "crash", text, error_type=f"exit {self.returncodes[rank]}"))
+        return crashes + [f for _, f in sorted(exceptions, key=lambda item: item[0])] + killed
+
+
+def _native_error(output: str) -> str:
+    """The message a natively aborted rank printed (C++ 'what():' line), else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("what():"):
+            return line[len("what():"):].strip()
+    return lines[-1] if lines else "no output"
 
 
 def _free_port() -> int:
@@ -589,7 +640,7 @@ def run_scenario(scenario: Scenario, timeout_s: float = RUN_TIMEOUT_S) -> RunRes
         out = Path(tmp)
         port = _free_port()
         procs: list[subprocess.Popen] = []
-        killed = False
+        timed_out, killed = False, []
         try:
             for rank in range(WORLD_SIZE):
                 cmd = [sys.executable, "-m", "fsdp_autopatch._demo", "--worker",
@@ -599,8 +650,9 @@ def run_scenario(scenario: Scenario, timeout_s: float = RUN_TIMEOUT_S) -> RunRes
                     procs.append(subprocess.Popen(
                         cmd, env=_rank_env(scenario, rank, port), stdin=subprocess.DEVNULL,
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            killed = _wait(procs, timeout_s)
+            timed_out = _wait(procs, timeout_s)
         finally:
+            killed = [rank for rank, proc in enumerate(procs) if proc.poll() is None]
             for proc in procs:
                 _kill(proc)
         ranks = []
@@ -609,7 +661,7 @@ def run_scenario(scenario: Scenario, timeout_s: float = RUN_TIMEOUT_S) -> RunRes
             ranks.append(json.loads(report.read_text()) if report.exists() else None)
         tails = [_tail(out / f"rank{rank}.out") for rank in range(WORLD_SIZE)]
     return RunResult(scenario, time.monotonic() - start, [p.returncode for p in procs], ranks,
-                     tails, killed)
+                     tails, killed, timed_out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -641,18 +693,31 @@ def _registry_line(rank0: dict[str, Any]) -> str:
     return ", ".join(f"{p['name']}={p['status']}" for p in patches)
 
 
+def _one_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _describe_failure(result: RunResult) -> str:
-    """One line about a run that did not complete: the first rank's exception, a kill or a crash."""
-    errors = result.errors()
-    if errors:
-        rank, error = errors[0]
-        message = error["message"].splitlines()[0] if error["message"] else ""
-        ranks = ", ".join(str(r) for r, _ in errors)
-        return (f"{error['type']}: {message[:220]} (first on rank {rank}, at {error['where']}; "
-                f"failed ranks: {ranks})")
-    if result.timed_out:
-        return f"no result: the ranks were killed after the timeout ({result.seconds:.0f} s)"
-    return f"ranks exited with codes {result.returncodes} without a report"
+    """One line about a run that did not complete: its first failure, then what the peers did."""
+    failures = result.failures()
+    if not failures:
+        return f"ranks exited with codes {result.returncodes} without a report"
+    first, rest = failures[0], failures[1:]
+    if first.kind == "crash":
+        text = f"rank {first.rank} aborted ({first.error_type}): {_one_line(first.text)}"
+    elif first.kind == "exception":
+        text = f"{first.error_type}: {_one_line(first.text)} (rank {first.rank}, {first.where})"
+    else:
+        text = f"no result: the ranks were killed after {result.seconds:.0f} s"
+    for other in rest:
+        if other.kind == "killed":
+            text += f"; rank {other.rank} was still waiting for it and was killed"
+        elif other.kind == "exception":
+            text += f"; rank {other.rank} then raised {other.error_type}: {_one_line(other.text, 70)}"
+        else:
+            text += f"; rank {other.rank} aborted too: {_one_line(other.text, 70)}"
+    return text
 
 
 def _print_unexpected(result: RunResult) -> None:
@@ -661,9 +726,9 @@ def _print_unexpected(result: RunResult) -> None:
             print(f"  rank {rank} traceback (tail):")
             for line in report["error"]["traceback"].strip().splitlines()[-8:]:
                 print(f"    {line}")
-        elif result.stderr_tails[rank]:
+        elif result.output_tails[rank]:
             print(f"  rank {rank} output (tail):")
-            for line in result.stderr_tails[rank].splitlines():
+            for line in result.output_tails[rank].splitlines():
                 print(f"    {line}")
 
 
@@ -721,29 +786,31 @@ def demo_patched(timeout_s: float = RUN_TIMEOUT_S) -> int:
 # --- --without-patches: how each sub-run's outcome is judged ---------------------------------
 
 
-def _first_error(result: RunResult) -> dict[str, Any] | None:
-    errors = result.errors()
-    return errors[0][1] if errors else None
+def _first_failure(result: RunResult) -> Failure | None:
+    failures = result.failures()
+    return failures[0] if failures else None
 
 
 def _judge_a(result: RunResult) -> tuple[bool, str]:
-    error = _first_error(result)
-    if error and error["type"] == "AttributeError" and "_unsharded_param" in error["message"]:
-        return True, ("the vision tower never ran forward (text-only micro-batch, gradient sync off), "
-                      "yet FSDP's root post-backward callback ran its post_backward: "
+    first = _first_failure(result)
+    if first and first.error_type == "AttributeError" and "_unsharded_param" in first.text:
+        return True, ("the vision tower never ran forward (text-only micro-batch, gradient sync "
+                      "off), yet FSDP's root post-backward callback ran its post_backward: "
                       + _describe_failure(result))
     return False, "expected AttributeError '_unsharded_param'; got: " + _outcome(result)
 
 
 def _judge_b(result: RunResult) -> tuple[bool, str]:
-    error = _first_error(result)
-    explanation = (f"expert {RANK0_EXPERT} has a gradient on rank 0 only, so rank 0 reduce-scatters "
-                   f"experts {SHARED_EXPERT}+{RANK0_EXPERT} and rank 1 expert {SHARED_EXPERT} only: ")
-    if error and "backward" in error["where"] and "_unsharded_param" not in error["message"] \
-            and "uniform gradient dtype" not in error["message"]:
+    first = _first_failure(result)
+    explanation = (f"expert {RANK0_EXPERT} has a gradient on rank 0 only, so rank 0 "
+                   f"reduce-scatters experts {SHARED_EXPERT}+{RANK0_EXPERT} and rank 1 expert "
+                   f"{SHARED_EXPERT} only: ")
+    other_bug = first and ("_unsharded_param" in first.text or "uniform gradient dtype" in first.text)
+    if first and first.kind == "crash" or (first and first.kind == "exception"
+                                           and "backward" in first.where and not other_bug):
         return True, explanation + _describe_failure(result)
-    if result.timed_out and not error:
-        return True, explanation + "the mismatched collective hung and the ranks were killed"
+    if result.timed_out and not other_bug:
+        return True, explanation + "the mismatched collective hung; the ranks were killed"
     checks = result.rank0.get("checks")
     if checks and not checks["gradients"]["ok"]:
         return True, explanation + "the run completed with WRONG gradients (silent mix-up)"
@@ -751,9 +818,9 @@ def _judge_b(result: RunResult) -> tuple[bool, str]:
 
 
 def _judge_c(result: RunResult) -> tuple[bool, str]:
-    error = _first_error(result)
-    if error and "uniform gradient dtype" in error["message"]:
-        return True, (f"expert {SHARED_EXPERT}'s gradient was accumulated in fp32 over earlier "
+    first = _first_failure(result)
+    if first and "uniform gradient dtype" in first.text:
+        return True, (f"expert {SHARED_EXPERT}'s gradient was accumulated in fp32 over the earlier "
                       f"micro-batches, the fill's zeros for the unused experts are bf16: "
                       + _describe_failure(result))
     return False, "expected AssertionError 'uniform gradient dtype'; got: " + _outcome(result)
@@ -778,7 +845,7 @@ JUDGES = {"a": _judge_a, "b": _judge_b, "c": _judge_c, "d": _judge_d}
 
 
 def _outcome(result: RunResult) -> str:
-    if result.errors() or result.timed_out or not result.rank0.get("checks"):
+    if result.failures() or not result.rank0.get("checks"):
         return _describe_failure(result)
     return "the run completed normally"
 

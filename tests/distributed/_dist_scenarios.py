@@ -144,7 +144,7 @@ def plan_grad_guard(rank: int, step: int, mb: int) -> dict[str, Any]:
 
 
 def plan_expert_routing(rank: int, step: int, mb: int) -> dict[str, Any]:
-    # rank r uses expert r only (expert 2 is used by both ranks)
+    # rank r uses expert r only; expert 2 is used by both ranks, expert 3 by none
     return batch(rank, step, mb, experts=(rank, 2))
 
 
@@ -387,7 +387,7 @@ def sc_grad_guard(ctx: Ctx) -> None:
 
 
 def sc_expert_routing(ctx: Ctx) -> None:
-    """Rank r uses expert r inside one FSDP unit (fp32, one micro-batch).
+    """Rank r uses expert r inside one FSDP unit; expert 2 both ranks, expert 3 none (fp32).
 
     args["mode"]: "flag_off" (nothing set), "native" (public API on this torch),
     "backport" (public API deleted, then the plugin's backport forced), "env_policy"
@@ -400,7 +400,8 @@ def sc_expert_routing(ctx: Ctx) -> None:
         if "set_reduce_scatter_unused_params" in FSDPModule.__dict__:
             del FSDPModule.set_reduce_scatter_unused_params  # simulate torch < 2.13
         ctx.data["backport"] = _force_unused_param_backport()
-    model = build_model("experts", n_experts=3)
+    ctx.data["native_fill_calls"] = _count_native_fill()
+    model = build_model("experts", n_experts=4)
     fully_shard(model, mesh=ctx.mesh)
     if mode in ("native", "backport"):
         model.set_reduce_scatter_unused_params(True)
@@ -413,58 +414,47 @@ def sc_expert_routing(ctx: Ctx) -> None:
             rec["full_grads"] = grads_full(model)
 
 
+def _count_native_fill() -> list[int]:
+    """Count torch 2.13's own zero fill (``FSDPParam.unsharded_zero_grad_data``).
+
+    With the backport forced, its fill runs first, so torch's never has to: the count
+    stays 0 and the gradients are right only because of the backport.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    calls = [0]
+    prop = FSDPParam.__dict__.get("unsharded_zero_grad_data")
+    if isinstance(prop, property):
+
+        def counted(self):
+            calls[0] += 1
+            return prop.fget(self)
+
+        FSDPParam.unsharded_zero_grad_data = property(counted)
+    return calls
+
+
 def _force_unused_param_backport() -> dict[str, Any]:
-    """Apply ``fsdp_autopatch.patches.unused_param_reduction.PATCH`` by force."""
-    import inspect
+    """Apply the plugin's ``unused_param_reduction`` backport on a torch that has the API.
 
+    Run after ``del FSDPModule.set_reduce_scatter_unused_params``. The patch order of
+    a torch < 2.13 process is kept: ``restore_unused_param_grads`` (applied at import)
+    is reverted, the backport applied, then the restore patch applied again on top, so
+    its usage probe runs before the backport's zero fill as it would on torch 2.12.
+    """
+    import fsdp_autopatch.patches.restore_unused_param_grads as restore
     import fsdp_autopatch.patches.unused_param_reduction as upr
-
-    patch = upr.PATCH
-    info: dict[str, Any] = {"patch": repr(patch)}
-    sig = inspect.signature(patch.apply)
-    info["signature"] = str(sig)
-    if len(sig.parameters) == 0:
-        info["result"] = repr(patch.apply())
-    else:
-        from torch.distributed.fsdp._fully_shard import (
-            _fsdp_collectives,
-            _fsdp_param,
-            _fsdp_param_group,
-            _fsdp_state,
-            _fully_shard,
-        )
-
-        modules = {
-            "_fsdp_collectives": _fsdp_collectives,
-            "_fsdp_param": _fsdp_param,
-            "_fsdp_param_group": _fsdp_param_group,
-            "_fsdp_state": _fsdp_state,
-            "_fully_shard": _fully_shard,
-        }
-        info["result"] = repr(patch.apply(_fsdp_modules_arg(upr, modules)))
     from torch.distributed.fsdp import FSDPModule
 
-    info["has_method"] = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+    info: dict[str, Any] = {"check": repr(upr.PATCH.check())}
+    restore.PATCH.revert()
+    info["apply"] = upr.PATCH.apply()
+    info["restore_check"] = repr(restore.PATCH.check())
+    info["restore_apply"] = restore.PATCH.apply()
+    method = getattr(FSDPModule, "set_reduce_scatter_unused_params", None)
+    info["has_method"] = method is not None
+    info["method_is_backport"] = bool(getattr(method, "__fsdp_autopatch__", False))
     return info
-
-
-def _fsdp_modules_arg(upr: Any, modules: dict[str, Any]) -> Any:
-    """Build whatever ``PATCH.apply`` takes as its torch-internals argument."""
-    for helper in ("fsdp_modules", "load_fsdp_modules", "FsdpModules"):
-        for owner_name in ("fsdp_autopatch._compat", "fsdp_autopatch.patches", upr.__name__):
-            try:
-                owner = sys.modules.get(owner_name) or __import__(owner_name, fromlist=["_"])
-            except Exception:  # noqa: BLE001
-                continue
-            fn = getattr(owner, helper, None)
-            if callable(fn):
-                try:
-                    return fn()
-                except TypeError:
-                    return fn(**modules)
-    import types
-
-    return types.SimpleNamespace(**modules)
 
 
 def sc_uniform_dtype(ctx: Ctx) -> None:

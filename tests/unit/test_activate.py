@@ -1,0 +1,144 @@
+"""The hook: fixed order, isolation of a patch that raises, idempotence, strict mode, toggles."""
+
+import pytest
+
+import fsdp_autopatch.patches as patches_package
+from fsdp_autopatch import _activate
+from fsdp_autopatch._compat import needed, not_needed, unsupported
+from fsdp_autopatch._config import PATCH_NAMES
+from fsdp_autopatch._registry import PatchStatus, Registry
+from fsdp_autopatch.patches import Patch
+
+
+class FakePatch:
+    """A patch whose check and apply are scripted, and which records calls into a shared log."""
+
+    def __init__(self, name, log, verdict=None, apply_error=None, check_error=None):
+        self.name, self.log = name, log
+        self.verdict = verdict or needed("needed in this fake torch")
+        self.apply_error, self.check_error = apply_error, check_error
+        self.applied = 0
+
+    def check(self):
+        self.log.append(("check", self.name))
+        if self.check_error:
+            raise self.check_error
+        return self.verdict
+
+    def apply(self):
+        self.log.append(("apply", self.name))
+        if self.apply_error:
+            raise self.apply_error
+        self.applied += 1
+        return "changed"
+
+    def as_patch(self):
+        return Patch(self.name, "fake", self.check, self.apply, lambda: None)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    fresh = Registry()
+    monkeypatch.setattr(_activate, "REGISTRY", fresh)
+    for variable in list(__import__("os").environ):
+        if variable.startswith("FSDP_AUTOPATCH_"):
+            monkeypatch.delenv(variable)
+    return fresh
+
+
+def install_fakes(monkeypatch, fakes):
+    monkeypatch.setattr(patches_package, "load_patches", lambda: tuple(f.as_patch() for f in fakes))
+
+
+def statuses(registry):
+    return {record.name: record.status for record in registry.snapshot().patches}
+
+
+def test_patches_apply_in_the_fixed_order(monkeypatch, registry):
+    log = []
+    fakes = [FakePatch(name, log) for name in PATCH_NAMES]
+    install_fakes(monkeypatch, fakes)
+    _activate.activate()
+    assert [name for action, name in log if action == "apply"] == list(PATCH_NAMES)
+    assert set(statuses(registry).values()) == {PatchStatus.APPLIED}
+
+
+def test_a_patch_that_raises_is_recorded_and_the_others_still_apply(monkeypatch, registry):
+    log = []
+    fakes = [FakePatch(name, log) for name in PATCH_NAMES]
+    fakes[1].apply_error = RuntimeError("boom inside the patch")
+    fakes[2].check_error = ValueError("bad check")
+    install_fakes(monkeypatch, fakes)
+    _activate.activate()  # must not raise
+    got = statuses(registry)
+    assert got["unused_param_reduction"] is PatchStatus.FAILED
+    assert got["uniform_reduce_dtype"] is PatchStatus.FAILED
+    assert got["accumulated_grad_guard"] is PatchStatus.APPLIED
+    assert got["restore_unused_param_grads"] is PatchStatus.APPLIED
+    reason = registry.snapshot()["unused_param_reduction"].reason
+    assert "RuntimeError: boom inside the patch" in reason
+
+
+def test_missing_internals_during_check_mean_unsupported(monkeypatch, registry):
+    log = []
+    fakes = [FakePatch(name, log) for name in PATCH_NAMES]
+    fakes[0].check_error = ImportError("No module named 'torch.distributed.fsdp._fully_shard._fsdp_param'")
+    install_fakes(monkeypatch, fakes)
+    _activate.activate()
+    assert statuses(registry)["accumulated_grad_guard"] is PatchStatus.UNSUPPORTED
+    assert ("apply", "accumulated_grad_guard") not in log
+
+
+def test_strict_mode_reraises(monkeypatch, registry):
+    monkeypatch.setenv("FSDP_AUTOPATCH_STRICT", "1")
+    fakes = [FakePatch(name, []) for name in PATCH_NAMES]
+    fakes[0].apply_error = RuntimeError("boom")
+    install_fakes(monkeypatch, fakes)
+    with pytest.raises(RuntimeError, match="boom"):
+        _activate.activate()
+    assert statuses(registry)["accumulated_grad_guard"] is PatchStatus.FAILED
+
+
+def test_activation_is_idempotent(monkeypatch, registry):
+    fakes = [FakePatch(name, []) for name in PATCH_NAMES]
+    install_fakes(monkeypatch, fakes)
+    _activate.activate()
+    _activate.activate()
+    assert [fake.applied for fake in fakes] == [1, 1, 1, 1]
+
+
+def test_verdicts_become_statuses(monkeypatch, registry):
+    log = []
+    fakes = [FakePatch(name, log) for name in PATCH_NAMES]
+    fakes[1].verdict = not_needed("torch has it")
+    fakes[2].verdict = unsupported("internals differ")
+    install_fakes(monkeypatch, fakes)
+    _activate.activate()
+    report = registry.snapshot()
+    assert report["unused_param_reduction"].status is PatchStatus.NOT_NEEDED
+    assert report["unused_param_reduction"].reason == "torch has it"
+    assert report["uniform_reduce_dtype"].status is PatchStatus.UNSUPPORTED
+    assert ("apply", "unused_param_reduction") not in log and ("apply", "uniform_reduce_dtype") not in log
+
+
+def test_env_toggles_are_read_when_the_hook_runs(monkeypatch, registry):
+    fakes = [FakePatch(name, []) for name in PATCH_NAMES]
+    install_fakes(monkeypatch, fakes)
+    monkeypatch.setenv("FSDP_AUTOPATCH_DISABLED", "accumulated_grad_guard")
+    monkeypatch.setenv("FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED", "0")
+    _activate.activate()
+    report = registry.snapshot()
+    assert report["accumulated_grad_guard"].status is PatchStatus.DISABLED
+    assert "FSDP_AUTOPATCH_DISABLED" in report["accumulated_grad_guard"].reason
+    assert report["uniform_reduce_dtype"].status is PatchStatus.DISABLED
+    assert "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0" in report["uniform_reduce_dtype"].reason
+    assert [fake.applied for fake in fakes] == [0, 1, 0, 1]
+
+
+def test_broken_patch_package_fails_every_patch_without_raising(monkeypatch, registry):
+    def explode():
+        raise ImportError("wrapt is broken")
+
+    monkeypatch.setattr(patches_package, "load_patches", explode)
+    _activate.activate()
+    assert set(statuses(registry).values()) == {PatchStatus.FAILED}

@@ -1,0 +1,90 @@
+"""Version parsing and the all-or-nothing, reversible attribute replacement."""
+
+import types
+
+import pytest
+from packaging.version import Version
+
+from fsdp_autopatch import _compat
+
+
+@pytest.mark.parametrize(
+    "raw, release",
+    [
+        ("2.13.0+cpu", "2.13.0"),
+        ("2.9.0.dev20250801+cu128", "2.9.0"),
+        ("2.8.0a0+git1234abc", "2.8.0"),
+        ("2.15.0rc1", "2.15.0"),
+        ("2.14.1", "2.14.1"),
+    ],
+)
+def test_torch_versions_parse_to_their_release(raw, release):
+    assert _compat.parse_torch_version(raw) == Version(release)
+
+
+def test_unparsable_version_is_none_and_never_counts_as_before():
+    version = _compat.parse_torch_version("not-a-version")
+    assert version is None
+    assert not _compat.before(version, "2.15")
+    assert _compat.before(Version("2.14.1"), "2.15")
+    assert not _compat.before(_compat.parse_torch_version("2.15.0.dev20260101"), "2.15")
+
+
+class Target:
+    def method(self):
+        return "original"
+
+
+def test_replace_all_is_atomic():
+    module = types.SimpleNamespace(value=1)
+
+    class Frozen:
+        __slots__ = ()
+
+    replacements = [(Target, "method", lambda self: "patched"), (module, "value", 2), (Frozen(), "x", 3)]
+    with pytest.raises((AttributeError, TypeError)):
+        _compat.replace_all("atomic-test", replacements)
+    assert Target().method() == "original" and module.value == 1
+    assert not _compat.is_applied("atomic-test")
+
+
+def test_replace_all_is_idempotent_and_reversible():
+    def wrapper(wrapped, instance, args, kwargs):
+        return "wrapped " + wrapped(*args, **kwargs)
+
+    _compat.replace_all("reversible", [(Target, "method", _compat.wrap(Target.__dict__["method"], wrapper))])
+    _compat.replace_all("reversible", [(Target, "method", lambda self: "twice")])  # no-op
+    assert Target().method() == "wrapped original"
+    _compat.revert("reversible")
+    assert Target().method() == "original"
+
+
+def test_revert_deletes_attributes_the_patch_added():
+    _compat.replace_all("adds", [(Target, "added", lambda self: 1)])
+    assert Target().added() == 1
+    _compat.revert("adds")
+    assert not hasattr(Target, "added")
+
+
+def test_code_inspection_sees_through_wrappers():
+    import functools
+
+    def inner(fsdp_params, unsharded_grads):
+        return fsdp_params._unsharded_param, "expects uniform gradient dtype"
+
+    @functools.wraps(inner)
+    def outer(*args):
+        return inner(*args)
+
+    assert _compat.reads_names(outer, "_unsharded_param")
+    assert _compat.has_string_constant(outer, "uniform gradient dtype")
+    assert _compat.first_parameters(outer, 2) == ("fsdp_params", "unsharded_grads")
+
+
+def test_state_param_groups_across_versions():
+    new_style = types.SimpleNamespace(_fsdp_param_groups=["a", "b"])
+    old_style = types.SimpleNamespace(_fsdp_param_group="a")
+    old_empty = types.SimpleNamespace(_fsdp_param_group=None)
+    assert _compat.state_param_groups(new_style) == ["a", "b"]
+    assert _compat.state_param_groups(old_style) == ["a"]
+    assert _compat.state_param_groups(old_empty) == []

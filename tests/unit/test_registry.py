@@ -1,0 +1,59 @@
+"""The registry and its JSON form."""
+
+import json
+
+from fsdp_autopatch import _bootstrap
+from fsdp_autopatch._config import PATCH_NAMES
+from fsdp_autopatch._registry import PatchStatus, Registry, StatusReport
+
+
+def test_every_patch_starts_pending_in_order():
+    report = Registry().snapshot()
+    assert [r.name for r in report.patches] == list(PATCH_NAMES)
+    assert {r.status for r in report.patches} == {PatchStatus.PENDING}
+    assert report.patches[0].env == "FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED"
+
+
+def test_json_form_has_the_documented_keys():
+    registry = Registry()
+    registry.record("uniform_reduce_dtype", PatchStatus.APPLIED, "because")
+    data = json.loads(json.dumps(registry.snapshot().to_dict()))
+    assert set(data) == {"version", "torch", "bootstrap", "patches", "policies"}
+    assert set(data["patches"][0]) == {"name", "status", "reason", "env"}
+    assert data["patches"][2] == {
+        "name": "uniform_reduce_dtype",
+        "status": "applied",
+        "reason": "because",
+        "env": "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED",
+    }
+
+
+def test_status_is_a_str_enum():
+    assert PatchStatus.NOT_NEEDED == "not_needed"
+    assert str(PatchStatus.APPLIED) == "applied"
+    assert PatchStatus("failed") is PatchStatus.FAILED
+
+
+def test_pending_under_kill_switch_reads_as_disabled(monkeypatch):
+    monkeypatch.setattr(_bootstrap, "disabled_at_start", True)
+    report = Registry().snapshot()
+    assert {r.status for r in report.patches} == {PatchStatus.DISABLED}
+    assert "FSDP_AUTOPATCH_ENABLED=0" in report.patches[0].reason
+
+
+def test_report_lookup_by_name_and_torch_version_recorded():
+    registry = Registry()
+    registry.record_torch_version("2.13.0+cpu")
+    report = registry.snapshot()
+    assert isinstance(report, StatusReport)
+    assert report.torch == "2.13.0+cpu"
+    assert report["restore_unused_param_grads"].status is PatchStatus.PENDING
+
+
+def test_reset_returns_everything_to_pending():
+    registry = Registry()
+    registry.record("accumulated_grad_guard", PatchStatus.FAILED, "x")
+    registry.record_policy("p", "on")
+    registry.reset()
+    report = registry.snapshot()
+    assert report["accumulated_grad_guard"].status is PatchStatus.PENDING and report.policies == {}
