@@ -72,14 +72,15 @@ def warn(variable: str, message: str) -> None:
     if variable in _warned:
         return
     _warned.add(variable)
-    text = f"fsdp-autopatch: {message}"
     try:
         import warnings
 
-        warnings.warn(text, ConfigWarning, stacklevel=2)
+        # warn_explicit: the location is the plugin, not a line of our source, and a user can
+        # filter on the category (python -W ignore::fsdp_autopatch._config.ConfigWarning).
+        warnings.warn_explicit(message, ConfigWarning, filename="fsdp-autopatch", lineno=0)
     except Exception:  # e.g. python -W error: still tell the user, never raise
         try:
-            sys.stderr.write(f"ConfigWarning: {text}\n")
+            sys.stderr.write(f"fsdp-autopatch: ConfigWarning: {message}\n")
         except Exception:
             pass
 
@@ -206,6 +207,6 @@ def _warn_unknown_variables(environ, warn) -> None:
             continue
         import difflib
 
-        close = difflib.get_close_matches(variable, known, n=1)
+        close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
         hint = f"; did you mean {close[0]}?" if close else ""
         warn(variable, f"unknown variable {variable} is ignored{hint}")

@@ -421,7 +421,7 @@ def _check_gradients(run: dict[str, Any]) -> dict[str, Any]:
             scale = ref.abs().max().item() or 1.0
             error = (got - ref).abs().max().item() / scale
             compared += 1
-            if error > worst["error"]:
+            if not worst["name"] or error > worst["error"]:
                 worst = {"error": error, "name": name, "step": step}
             if error > GRAD_TOLERANCE:
                 problems.append(f"step {step}: {name} off by {error:.2e} (relative)")
@@ -779,7 +779,8 @@ def demo_patched(timeout_s: float = RUN_TIMEOUT_S) -> int:
         print(f"  step {step}  loss {value:.4f}")
     print("Invariants:")
     ok = _print_invariants(checks)
-    print(f"Result: {_mark(ok)} ({result.seconds:.1f} s)")
+    timings = ", ".join(f"{phase} {sec:.1f} s" for phase, sec in rank0.get("seconds", {}).items())
+    print(f"Result: {_mark(ok)} ({result.seconds:.1f} s; rank 0: {timings})")
     return 0 if ok else 1
 
 
@@ -806,8 +807,10 @@ def _judge_b(result: RunResult) -> tuple[bool, str]:
                    f"reduce-scatters experts {SHARED_EXPERT}+{RANK0_EXPERT} and rank 1 expert "
                    f"{SHARED_EXPERT} only: ")
     other_bug = first and ("_unsharded_param" in first.text or "uniform gradient dtype" in first.text)
-    if first and first.kind == "crash" or (first and first.kind == "exception"
-                                           and "backward" in first.where and not other_bug):
+    crashed = first is not None and first.kind == "crash"
+    raised = (first is not None and first.kind == "exception" and "backward" in first.where
+              and not other_bug)
+    if crashed or raised:
         return True, explanation + _describe_failure(result)
     if result.timed_out and not other_bug:
         return True, explanation + "the mismatched collective hung; the ranks were killed"

@@ -389,29 +389,35 @@ def sc_grad_guard(ctx: Ctx) -> None:
 def sc_expert_routing(ctx: Ctx) -> None:
     """Rank r uses expert r inside one FSDP unit; expert 2 both ranks, expert 3 none (fp32).
 
-    args["mode"]: "flag_off" (nothing set), "native" (public API on this torch),
-    "backport" (public API deleted, then the plugin's backport forced), "env_policy"
-    (nothing in code; FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1 in the env).
+    args["modes"]: the cases to run, each on a fresh model, in order:
+    "native" (torch's public API), "flag_off" (nothing set: ranks reduce different
+    parameter lists), "backport" (public API deleted, the plugin's backport forced; must
+    come first), "env_policy" (nothing in code; the launcher sets
+    FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    mode = ctx.args["mode"]
-    if mode == "backport":
+    modes = ctx.args["modes"]
+    if "backport" in modes:
+        assert modes == ["backport"], "the backport changes torch for the whole process"
         if "set_reduce_scatter_unused_params" in FSDPModule.__dict__:
             del FSDPModule.set_reduce_scatter_unused_params  # simulate torch < 2.13
         ctx.data["backport"] = _force_unused_param_backport()
-    ctx.data["native_fill_calls"] = _count_native_fill()
-    model = build_model("experts", n_experts=4)
-    fully_shard(model, mesh=ctx.mesh)
-    if mode in ("native", "backport"):
-        model.set_reduce_scatter_unused_params(True)
-    ctx.data["group_flags"] = group_flags(model)
-    ctx.data["init_params"] = params_local(model)
-    with ctx.case("step") as rec:
-        _run_step(ctx, model, plan_expert_routing, step=0, n_mb=1, accumulate=False)
-        rec["grads"] = grads_local(model)
-        if mode != "flag_off":  # with the flag off the gradients may be inconsistent
-            rec["full_grads"] = grads_full(model)
+    native_fill_calls = _count_native_fill()
+    for mode in modes:
+        with ctx.case(mode) as rec:
+            model = build_model("experts", n_experts=4)
+            fully_shard(model, mesh=ctx.mesh)
+            if mode in ("native", "backport"):
+                model.set_reduce_scatter_unused_params(True)
+            rec["group_flags"] = group_flags(model)
+            rec["init_params"] = params_local(model)
+            before = native_fill_calls[0]
+            _run_step(ctx, model, plan_expert_routing, step=0, n_mb=1, accumulate=False)
+            rec["native_fill_calls"] = native_fill_calls[0] - before
+            rec["grads"] = grads_local(model)
+            if mode != "flag_off":  # with the flag off gradients may be None on one rank only
+                rec["full_grads"] = grads_full(model)
 
 
 def _count_native_fill() -> list[int]:

@@ -1,0 +1,125 @@
+"""The start-up path, in fresh interpreters, against a tiny fake torch (fast: no real torch import).
+
+The fake torch has the FSDP2 module the hook waits for but none of the internals the patches wrap,
+which is also the "internals differ" case: every patch must say unsupported and nothing may raise.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+FAKE_TORCH = {
+    "torch/__init__.py": "__version__ = '2.13.0+fake'\n",
+    "torch/distributed/__init__.py": "",
+    "torch/distributed/fsdp/__init__.py": "from . import _fully_shard\n",
+    "torch/distributed/fsdp/_fully_shard/__init__.py": "",
+}
+
+SRC = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "src")
+
+
+@pytest.fixture
+def fake_torch(tmp_path):
+    for relative, text in FAKE_TORCH.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def run(code, fake_torch, *flags, **env):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_")}
+    environ.update(env)
+    environ["PYTHONPATH"] = os.pathsep.join([str(fake_torch), os.path.abspath(SRC)])
+    return subprocess.run(
+        [sys.executable, *flags, "-c", textwrap.dedent(code)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+PROGRAM = """
+    import sys, json
+    import fsdp_autopatch._bootstrap as bootstrap
+    bootstrap.install("pth")          # what the .pth line does (idempotent if it already ran)
+    bootstrap.install("pth")          # a venv runs .pth files twice
+    before = sorted(m for m in ("torch", "wrapt", "packaging", "inspect", "importlib.metadata") if m in sys.modules)
+    import torch.distributed.fsdp
+    import fsdp_autopatch
+    print(json.dumps({"before": before, "report": fsdp_autopatch.status().to_dict(),
+                      "finders": sum(f is bootstrap._TorchImportTrigger for f in sys.meta_path)}))
+"""
+
+
+def test_hook_waits_for_torch_then_reports_unsupported_internals(fake_torch):
+    result = run(PROGRAM, fake_torch)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    data = json.loads(result.stdout)
+    assert data["before"] == []  # nothing heavy until torch is imported
+    assert data["finders"] == 1  # installed once despite two install() calls
+    report = data["report"]
+    assert report["torch"] == "2.13.0+fake"
+    assert {p["status"] for p in report["patches"]} == {"unsupported"}
+    assert all("torch internals differ" in p["reason"] for p in report["patches"])
+
+
+def test_kill_switch_at_start_arms_nothing(fake_torch):
+    result = run(PROGRAM.replace("import torch.distributed.fsdp", "import torch.distributed.fsdp\n    assert 'wrapt' not in sys.modules"), fake_torch, FSDP_AUTOPATCH_ENABLED="0")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)["report"]
+    assert {p["status"] for p in report["patches"]} == {"disabled"}
+
+
+def test_explicit_install_after_torch_patches_right_away(fake_torch):
+    code = """
+        import sys, json
+        import torch.distributed.fsdp      # torch first, as under python -S or in an embedded interpreter
+        import fsdp_autopatch
+        pending = [p.status.value for p in fsdp_autopatch.status().patches]
+        fsdp_autopatch.install()
+        print(json.dumps({"pending": pending, "report": fsdp_autopatch.status().to_dict()}))
+    """
+    result = run(code, fake_torch, "-S")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data["pending"]) == {"pending"}
+    assert data["report"]["bootstrap"] == "explicit"
+    assert {p["status"] for p in data["report"]["patches"]} == {"unsupported"}
+
+
+def test_bad_values_warn_only_when_the_hook_runs(fake_torch):
+    quiet = run("import fsdp_autopatch._bootstrap as b; b.install('pth')", fake_torch, FSDP_AUTOPATCH_STRICT="maybe")
+    assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
+    loud = run(PROGRAM, fake_torch, FSDP_AUTOPATCH_STRICT="maybe", FSDP_AUTOPATCH_TYPO="1")
+    assert loud.returncode == 0, loud.stderr
+    assert loud.stderr.count("FSDP_AUTOPATCH_STRICT='maybe' is not a boolean") == 1
+    assert "FSDP_AUTOPATCH_TYPO" in loud.stderr
+
+
+def test_bootstrap_imports_only_the_standard_library():
+    code = """
+        import sys
+        before = set(sys.modules)
+        import fsdp_autopatch._bootstrap
+        new = sorted(set(sys.modules) - before)
+        print(",".join(new))
+    """
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": os.path.abspath(SRC)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    new = set(result.stdout.strip().split(","))
+    ours = {m for m in new if m.startswith("fsdp_autopatch")}
+    assert ours == {"fsdp_autopatch", "fsdp_autopatch._bootstrap", "fsdp_autopatch._config", "fsdp_autopatch._version"}
+    assert not new & {"torch", "wrapt", "packaging", "inspect", "importlib.metadata", "dataclasses", "logging"}

@@ -1,0 +1,78 @@
+"""The real patches against the installed torch, in this process (no process group needed)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if the .pth is active)
+
+import fsdp_autopatch  # noqa: E402
+from fsdp_autopatch import _activate, _compat  # noqa: E402
+from fsdp_autopatch.patches import load_patches  # noqa: E402
+from fsdp_autopatch.patches.accumulated_grad_guard import _fsdp_param_class  # noqa: E402
+
+RELEASE = _compat.torch_release()
+
+
+@pytest.fixture
+def activated():
+    """Patches applied by the hook (the .pth of this environment, or explicitly)."""
+    fsdp_autopatch.install()
+    yield fsdp_autopatch.status()
+
+
+def never_unsharded_fsdp_param():
+    """An FSDPParam whose unit never ran forward: no _unsharded_param, a reduce_dtype set."""
+    fsdp_param = object.__new__(_fsdp_param_class())
+    fsdp_param.reduce_dtype = torch.float32
+    return fsdp_param
+
+
+@pytest.mark.skipif(not _compat.before(RELEASE, "2.15"), reason="torch >= 2.15 removed the method")
+def test_guard_returns_early_for_a_never_unsharded_param(activated):
+    method = _fsdp_param_class().to_accumulated_grad_if_needed
+    with pytest.raises(AttributeError, match="_unsharded_param"):
+        method.__wrapped__(never_unsharded_fsdp_param())  # torch's own method: the bug
+    assert method(never_unsharded_fsdp_param()) is None  # patched: nothing to upcast
+
+
+def test_expected_statuses_for_this_torch(activated):
+    report = activated
+    status = {p.name: p.status.value for p in report.patches}
+    expected_reduction = "not_needed" if not _compat.before(RELEASE, "2.13") else "applied"
+    assert status["unused_param_reduction"] == expected_reduction
+    assert status["restore_unused_param_grads"] == "applied"
+    if _compat.before(RELEASE, "2.15"):
+        assert status["accumulated_grad_guard"] == "applied"
+        assert status["uniform_reduce_dtype"] == "applied"
+    assert fsdp_autopatch.applied() == tuple(n for n, s in status.items() if s == "applied")
+
+
+def test_foreach_reduce_is_wrapped_at_every_import_site(activated):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+
+    if activated["uniform_reduce_dtype"].status.value != "applied":
+        pytest.skip("uniform_reduce_dtype not applied on this torch")
+    assert _fsdp_param_group.foreach_reduce is _fsdp_collectives.foreach_reduce
+    assert hasattr(_fsdp_collectives.foreach_reduce, "__wrapped__")
+
+
+def test_revert_then_activate_restores_the_same_state(activated):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    before = {p.name: p.status for p in activated.patches}
+    patched_post_backward = FSDPParamGroup.__dict__["post_backward"]
+    _activate.revert_all()
+    assert FSDPParamGroup.__dict__["post_backward"] is not patched_post_backward
+    assert {p.status.value for p in fsdp_autopatch.status().patches} == {"pending"}
+    _activate.activate()
+    assert {p.name: p.status for p in fsdp_autopatch.status().patches} == before
+
+
+def test_applying_twice_changes_nothing(activated):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    post_backward = FSDPParamGroup.__dict__["post_backward"]
+    for patch in load_patches():
+        if patch.check().status == "needed":
+            patch.apply()
+    assert FSDPParamGroup.__dict__["post_backward"] is post_backward
