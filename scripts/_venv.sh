@@ -1,0 +1,24 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: create ./.venv once and install what they need.
+# Idempotent and quiet on a second run. Override the interpreter with PYTHON=..., torch with TORCH_SPEC=...
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+VENV="${FSDP_AUTOPATCH_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"   # the CPU build lies on this machine's disk
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  echo "== installing $TORCH_SPEC"
+  pip_install "$TORCH_SPEC"
+fi
+# Editable install of this repo (activates the .pth) plus the test tools; never touches torch.
+pip_install -e "$ROOT[test]"
+"$VENV/bin/python" -c "import torch, fsdp_autopatch" >/dev/null 2>&1 || {
+  echo "setup failed: torch or fsdp_autopatch cannot be imported in $VENV" >&2
+  exit 1
+}
