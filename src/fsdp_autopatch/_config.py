@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the bootstrap imports this module at start-up: keep typing out of it
+TYPE_CHECKING = False  # the bootstrap imports this module at start-up: keep `typing` out of it
+if TYPE_CHECKING:
     from typing import Callable, Mapping
 
 PREFIX = "FSDP_AUTOPATCH_"

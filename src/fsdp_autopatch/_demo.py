@@ -255,13 +255,19 @@ def loss_fn(logits, targets):
 
 
 class Progress:
-    """Where the rank is, so that an exception can be reported as 'step 1, micro-batch 1 backward'."""
+    """Where the rank is, e.g. 'step 1, micro-batch 1/3 (text-only) backward'.
 
-    def __init__(self) -> None:
-        self.where = "startup"
+    Kept in memory for exception reports and mirrored to a file, so that the parent can still say
+    where a rank was stuck when it has to kill it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.at("startup")
 
     def at(self, where: str) -> None:
         self.where = where
+        self.path.write_text(where)
 
 
 def _start_watchdogs(deadline_s: float) -> None:
@@ -501,7 +507,7 @@ def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[st
 def _worker_main(scenario_key: str, rank: int, out_dir: str, deadline_s: float) -> int:
     _start_watchdogs(deadline_s)
     scenario = SCENARIOS[scenario_key]
-    progress = Progress()
+    progress = Progress(Path(out_dir) / f"rank{rank}.where")
     result: dict[str, Any] = {"rank": rank, "error": None}
     code = 0
     try:
@@ -545,7 +551,9 @@ class RunResult:
     ranks: list[dict[str, Any] | None]  # each rank's JSON report (None if it died without one)
     output_tails: list[str]
     killed: list[int]  # ranks the demo had to kill (stuck in a collective or past the timeout)
+    last_where: list[str]  # what each rank was last doing
     timed_out: bool
+    timeout_s: float
 
     @property
     def rank0(self) -> dict[str, Any]:
@@ -561,7 +569,7 @@ class RunResult:
         crashes, exceptions, killed = [], [], []
         for rank, report in enumerate(self.ranks):
             if rank in self.killed:
-                killed.append(Failure(rank, "killed", "still blocked, killed by the demo"))
+                killed.append(Failure(rank, "killed", "killed by the demo", self.last_where[rank]))
             elif report and report.get("error"):
                 error = report["error"]
                 exceptions.append((error.get("time", 0.0), Failure(
@@ -626,15 +634,32 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> bool:
     return False
 
 
-def _tail(path: Path, lines: int = 12) -> str:
+def _read(path: Path) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return path.read_text(errors="replace")
     except OSError:
         return ""
 
 
+def _tail(path: Path, lines: int = 12) -> str:
+    return "\n".join(_read(path).splitlines()[-lines:])
+
+
 def run_scenario(scenario: Scenario, timeout_s: float = RUN_TIMEOUT_S) -> RunResult:
-    """Run one two-rank sub-run of ``scenario`` and collect both ranks' reports."""
+    """Run one two-rank sub-run of ``scenario`` and collect both ranks' reports.
+
+    The free port is only reserved until the parent closes its probe socket; on a busy machine
+    another process can take it before rank 0's store binds it. That run is simply retried.
+    """
+    for _ in range(3):
+        result = _run_once(scenario, timeout_s)
+        if not any("EADDRINUSE" in f.text or "address already in use" in f.text
+                   for f in result.failures()):
+            break
+    return result
+
+
+def _run_once(scenario: Scenario, timeout_s: float) -> RunResult:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fsdp-autopatch-demo-") as tmp:
         out = Path(tmp)
@@ -660,8 +685,9 @@ def run_scenario(scenario: Scenario, timeout_s: float = RUN_TIMEOUT_S) -> RunRes
             report = out / f"rank{rank}.json"
             ranks.append(json.loads(report.read_text()) if report.exists() else None)
         tails = [_tail(out / f"rank{rank}.out") for rank in range(WORLD_SIZE)]
+        wheres = [_read(out / f"rank{rank}.where") or "startup" for rank in range(WORLD_SIZE)]
     return RunResult(scenario, time.monotonic() - start, [p.returncode for p in procs], ranks,
-                     tails, killed, timed_out)
+                     tails, killed, wheres, timed_out, timeout_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,10 +735,14 @@ def _describe_failure(result: RunResult) -> str:
     elif first.kind == "exception":
         text = f"{first.error_type}: {_one_line(first.text)} (rank {first.rank}, {first.where})"
     else:
-        text = f"no result: the ranks were killed after {result.seconds:.0f} s"
+        text = (f"timeout: no rank finished within {result.timeout_s:g} s, the demo killed them "
+                f"(rank {first.rank} was at: {first.where})")
     for other in rest:
-        if other.kind == "killed":
-            text += f"; rank {other.rank} was still waiting for it and was killed"
+        if other.kind == "killed" and first.kind == "killed":
+            text += f"; rank {other.rank} was at: {other.where}"
+        elif other.kind == "killed":
+            text += (f"; rank {other.rank} was left waiting ({other.where}) "
+                     f"and was killed after {FAIL_GRACE_S:g} s")
         elif other.kind == "exception":
             text += f"; rank {other.rank} then raised {other.error_type}: {_one_line(other.text, 70)}"
         else:
