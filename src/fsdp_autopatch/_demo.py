@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -126,6 +127,7 @@ class Scenario:
     patch: str = ""  # the patch that fixes this scenario's bug
     upstream: str = ""
     symptom: str = ""  # what the user sees without the patch
+    fix_note: str = ""
 
 
 PATCHED = Scenario("patched", "all patches on")
@@ -148,6 +150,8 @@ BUG_SCENARIOS = (
         patch="unused_param_reduction",
         upstream="PyTorch issue 158719 / PR 174862 (also torchtitan 2747)",
         symptom="ranks whose experts got different tokens issue mismatched reduce-scatters",
+        fix_note=" (from torch 2.13 torch's own set_reduce_scatter_unused_params, which the "
+                 "demo turns on; the patch backports it to older torch)",
     ),
     Scenario(
         "c",
@@ -176,7 +180,10 @@ SCENARIOS = {s.key: s for s in (PATCHED, *BUG_SCENARIOS)}
 
 
 def build_model():
-    """The tiny vision-language MoE, initialised identically on every rank (fixed seed)."""
+    """The tiny vision-language MoE, initialised identically on every rank (fixed seed).
+
+    The classes are defined in here so that importing this module never imports torch.
+    """
     import torch
     from torch import nn
 
@@ -437,13 +444,13 @@ def _check_gradients(run: dict[str, Any]) -> dict[str, Any]:
 
 def _check_unused_expert(run: dict[str, Any]) -> dict[str, Any]:
     """Invariant (2): the expert no rank used has grad None every step and unchanged weights."""
-    grad_states = []
+    grad_states = []  # per step: "None" (all expert tensors), "zero" or "nonzero"
     for grads in run["grads"]:
-        state = "None"
-        for name, grad in grads.items():
-            if name.startswith(UNUSED_EXPERT_PREFIX):
-                state = "zero" if state != "nonzero" and not grad.any() else "nonzero"
-        grad_states.append(state)
+        expert_grads = [g for name, g in grads.items() if name.startswith(UNUSED_EXPERT_PREFIX)]
+        if not expert_grads:
+            grad_states.append("None")
+        else:
+            grad_states.append("nonzero" if any(g.any() for g in expert_grads) else "zero")
     initial, final = run["params"][0], run["final"]
     names = [n for n in initial if n.startswith(UNUSED_EXPERT_PREFIX)]
     max_change = max((final[n] - initial[n]).abs().max().item() for n in names)
@@ -720,7 +727,9 @@ def _registry_line(rank0: dict[str, Any]) -> str:
 
 
 def _one_line(text: str, limit: int = 200) -> str:
+    """First line of an error, without gloo's '[/path/to/file.cc:123] ' prefix."""
     line = text.strip().splitlines()[0] if text.strip() else ""
+    line = re.sub(r"^\[(enforce fail at )?/[^\]]*\]\s*", "", line)
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -817,61 +826,80 @@ def demo_patched(timeout_s: float = RUN_TIMEOUT_S) -> int:
 # --- --without-patches: how each sub-run's outcome is judged ---------------------------------
 
 
+@dataclass(frozen=True)
+class Verdict:
+    reproduced: bool
+    headline: str  # what happened, in a few words
+    detail: str  # why, and what each rank reported
+
+
 def _first_failure(result: RunResult) -> Failure | None:
     failures = result.failures()
     return failures[0] if failures else None
 
 
-def _judge_a(result: RunResult) -> tuple[bool, str]:
+def _not_reproduced(expected: str, result: RunResult) -> Verdict:
+    return Verdict(False, f"expected {expected}", "got: " + _outcome(result))
+
+
+def _judge_a(result: RunResult) -> Verdict:
     first = _first_failure(result)
     if first and first.error_type == "AttributeError" and "_unsharded_param" in first.text:
-        return True, ("the vision tower never ran forward (text-only micro-batch, gradient sync "
-                      "off), yet FSDP's root post-backward callback ran its post_backward: "
-                      + _describe_failure(result))
-    return False, "expected AttributeError '_unsharded_param'; got: " + _outcome(result)
+        return Verdict(
+            True, f"AttributeError '_unsharded_param' in {first.where}",
+            "the vision tower never ran forward (text-only micro-batch, gradient sync off), yet "
+            "FSDP's root post-backward callback ran its post_backward: " + _describe_failure(result))
+    return _not_reproduced("AttributeError '_unsharded_param'", result)
 
 
-def _judge_b(result: RunResult) -> tuple[bool, str]:
+def _judge_b(result: RunResult) -> Verdict:
     first = _first_failure(result)
-    explanation = (f"expert {RANK0_EXPERT} has a gradient on rank 0 only, so rank 0 "
-                   f"reduce-scatters experts {SHARED_EXPERT}+{RANK0_EXPERT} and rank 1 expert "
-                   f"{SHARED_EXPERT} only: ")
-    other_bug = first and ("_unsharded_param" in first.text or "uniform gradient dtype" in first.text)
-    crashed = first is not None and first.kind == "crash"
-    raised = (first is not None and first.kind == "exception" and "backward" in first.where
-              and not other_bug)
-    if crashed or raised:
-        return True, explanation + _describe_failure(result)
+    why = (f"expert {RANK0_EXPERT} has a gradient on rank 0 only, so rank 0 reduce-scatters "
+           f"experts {SHARED_EXPERT}+{RANK0_EXPERT} and rank 1 expert {SHARED_EXPERT} only: ")
+    other_bug = first is not None and (
+        "_unsharded_param" in first.text or "uniform gradient dtype" in first.text)
+    if first is not None and first.kind == "crash":
+        return Verdict(True, f"mismatched reduce-scatter, rank {first.rank} aborted in gloo",
+                       why + _describe_failure(result))
+    if first is not None and first.kind == "exception" and "backward" in first.where \
+            and not other_bug:
+        return Verdict(True, f"mismatched reduce-scatter, {first.error_type} in {first.where}",
+                       why + _describe_failure(result))
     if result.timed_out and not other_bug:
-        return True, explanation + "the mismatched collective hung; the ranks were killed"
+        return Verdict(True, "mismatched reduce-scatter hung", why + _describe_failure(result))
     checks = result.rank0.get("checks")
     if checks and not checks["gradients"]["ok"]:
-        return True, explanation + "the run completed with WRONG gradients (silent mix-up)"
-    return False, "expected a reduce-scatter mismatch or wrong gradients; got: " + _outcome(result)
+        return Verdict(True, "silently wrong gradients",
+                       why + "the run completed but gradients differ from the reference: "
+                       + "; ".join(checks["gradients"]["problems"][:2]))
+    return _not_reproduced("a reduce-scatter mismatch or wrong gradients", result)
 
 
-def _judge_c(result: RunResult) -> tuple[bool, str]:
+def _judge_c(result: RunResult) -> Verdict:
     first = _first_failure(result)
     if first and "uniform gradient dtype" in first.text:
-        return True, (f"expert {SHARED_EXPERT}'s gradient was accumulated in fp32 over the earlier "
-                      f"micro-batches, the fill's zeros for the unused experts are bf16: "
-                      + _describe_failure(result))
-    return False, "expected AssertionError 'uniform gradient dtype'; got: " + _outcome(result)
+        return Verdict(
+            True, f"AssertionError 'uniform gradient dtype' in {first.where}",
+            f"expert {SHARED_EXPERT}'s gradient was accumulated in fp32 over the earlier "
+            "micro-batches, the fill's zeros for the unused experts are bf16: "
+            + _describe_failure(result))
+    return _not_reproduced("AssertionError 'uniform gradient dtype'", result)
 
 
-def _judge_d(result: RunResult) -> tuple[bool, str]:
+def _judge_d(result: RunResult) -> Verdict:
     checks = result.rank0.get("checks")
     if not checks:
-        return False, "the run did not complete: " + _outcome(result)
+        return _not_reproduced("a completed run with a zero gradient", result)
     unused = checks["unused_expert"]
     moved = unused["max_change"]
-    if any(s != "None" for s in unused["grad_states"]) and moved > 0:
-        return True, (f"expert {UNUSED_EXPERT} got no token on any rank, yet its grad after each "
-                      f"backward was {unused['grad_states']} instead of None, so AdamW "
-                      f"(weight_decay={WEIGHT_DECAY}) moved its weights by up to {moved:.2e} "
-                      f"in {STEPS} steps")
-    return False, (f"expected a zero gradient and moved weights; grad states "
-                   f"{unused['grad_states']}, max |change| {moved:.1e}")
+    if any(state != "None" for state in unused["grad_states"]) and moved > 0:
+        return Verdict(
+            True, f"never-used expert got grad 0 instead of None, AdamW moved it by {moved:.1e}",
+            f"expert {UNUSED_EXPERT} got no token on any rank, yet its grad after each backward "
+            f"was {unused['grad_states']} instead of None, so AdamW (weight_decay={WEIGHT_DECAY}) "
+            f"changed its weights by up to {moved:.2e} in {STEPS} steps")
+    return Verdict(False, "expected a zero gradient and moved weights",
+                   f"grad after each backward {unused['grad_states']}, max |change| {moved:.1e}")
 
 
 JUDGES = {"a": _judge_a, "b": _judge_b, "c": _judge_c, "d": _judge_d}
@@ -891,18 +919,19 @@ def demo_without_patches(timeout_s: float = RUN_TIMEOUT_S) -> int:
     verdicts = []
     for scenario in BUG_SCENARIOS:
         result = run_scenario(scenario, timeout_s)
-        reproduced, detail = JUDGES[scenario.key](result)
-        verdicts.append(reproduced)
-        print(f"\n({scenario.key}) {scenario.symptom} -- sub-run: {scenario.title} "
-              f"[{result.seconds:.1f} s]")
-        print(f"    registry: {_registry_line(result.rank0)}")
-        print(f"    {'REPRODUCED' if reproduced else 'NOT REPRODUCED'}: {detail}")
-        print(f"    known upstream bug: {scenario.upstream}; fixed by patch '{scenario.patch}'")
-        if not reproduced:
+        verdict = JUDGES[scenario.key](result)
+        verdicts.append(verdict.reproduced)
+        print(f"\n({scenario.key}) {scenario.symptom}")
+        print(f"    sub-run: {scenario.title} [{result.seconds:.1f} s]")
+        print(f"    patches: {_registry_line(result.rank0)}")
+        print(f"    what happened: {verdict.detail}")
+        if not verdict.reproduced:
             _print_unexpected(result)
+        label = "REPRODUCED" if verdict.reproduced else "NOT REPRODUCED"
+        print(f"==> ({scenario.key}) {label}: {verdict.headline}. Known upstream bug: "
+              f"{scenario.upstream}. Fixed by patch '{scenario.patch}'{scenario.fix_note}.")
     total = time.monotonic() - start
-    count = sum(verdicts)
-    print(f"\n{count}/{len(verdicts)} bugs reproduced without their patch ({total:.1f} s). "
+    print(f"\n{sum(verdicts)}/{len(verdicts)} bugs reproduced without their patch ({total:.1f} s). "
           "Run 'fsdp-autopatch demo' to see the same training succeed with the patches.")
     return 0 if all(verdicts) else 1
 
@@ -940,6 +969,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.without_patches:
             return demo_without_patches(args.timeout)
         return demo_patched(args.timeout)
+    except KeyboardInterrupt:  # the running sub-run's ranks were already killed on the way out
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     finally:
         sys.stdout.flush()
 
