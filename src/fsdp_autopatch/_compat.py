@@ -98,9 +98,13 @@ def code_of(func: Any) -> Any:
 
 
 def reads_names(func: Any, *names: str) -> bool:
-    """Whether a function's own bytecode refers to all ``names`` (attributes or globals)."""
+    """Whether a function's own bytecode refers to all ``names``: as attributes or globals, or as
+    string constants (``hasattr(fsdp_param, "_unsharded_param")`` names it only as a constant)."""
     code = code_of(func)
-    return code is not None and all(name in code.co_names for name in names)
+    if code is None:
+        return False
+    known = set(code.co_names) | {c for c in code.co_consts if isinstance(c, str)}
+    return all(name in known for name in names)
 
 
 def has_string_constant(func: Any, fragment: str) -> bool:

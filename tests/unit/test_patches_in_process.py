@@ -76,3 +76,28 @@ def test_applying_twice_changes_nothing(activated):
         if patch.check().status == "needed":
             patch.apply()
     assert FSDPParamGroup.__dict__["post_backward"] is post_backward
+
+
+def test_backport_is_needed_where_the_public_api_is_missing(activated, monkeypatch):
+    """torch < 2.13 simulated: without FSDPModule.set_reduce_scatter_unused_params the backport
+    must judge the 2.6-2.12-shaped post_backward as needed (not unsupported)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_autopatch.patches import unused_param_reduction
+
+    if not _compat.before(RELEASE, "2.13"):
+        monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    verdict = unused_param_reduction.check()
+    assert verdict.status == "needed", verdict.reason
+
+
+def test_internals_of_another_shape_are_unsupported_and_untouched(activated, monkeypatch):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from fsdp_autopatch.patches import uniform_reduce_dtype
+
+    def foreach_reduce(params, grads):  # a torch whose signature changed
+        return None
+
+    monkeypatch.setattr(_fsdp_collectives, "foreach_reduce", foreach_reduce)
+    assert uniform_reduce_dtype.check().status == "unsupported"

@@ -88,9 +88,14 @@ def _classes() -> tuple[type, type, type]:
 def check() -> _compat.Verdict:
     version = _compat.torch_release()
     fsdp_module, param_group, state = _classes()
-    if _compat.class_attr(param_group, "post_backward") is None or _compat.class_attr(state, _CALLBACK) is None:
+    post_backward = _compat.class_attr(param_group, "post_backward")
+    callback = _compat.class_attr(state, _CALLBACK)
+    if not _compat.reads_names(post_backward, "reduce_grads", "fsdp_params") or not _compat.reads_names(
+        callback, "_state_ctx", "all_states"
+    ):
         return _compat.unsupported(
-            f"FSDPParamGroup.post_backward or FSDPState.{_CALLBACK} not found in {_compat.describe(version)}"
+            f"FSDPParamGroup.post_backward / FSDPState.{_CALLBACK} in {_compat.describe(version)} "
+            "do not look as expected (reduce_grads, fsdp_params, _state_ctx.all_states)"
         )
     if _compat.class_attr(fsdp_module, "set_reduce_scatter_unused_params") is None:
         return _compat.not_needed(
