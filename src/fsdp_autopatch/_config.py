@@ -74,8 +74,8 @@ def warn(variable: str, message: str) -> None:
     try:
         import warnings
 
-        # warn_explicit: the location is the plugin, not a line of our source, and a user can
-        # filter on the category (python -W ignore::fsdp_autopatch._config.ConfigWarning).
+        # warn_explicit: the location shown is the plugin, not a line of our source. Users can
+        # silence these with warnings.filterwarnings("ignore", category=ConfigWarning).
         warnings.warn_explicit(message, ConfigWarning, filename="fsdp-autopatch", lineno=0)
     except Exception:  # e.g. python -W error: still tell the user, never raise
         try:

@@ -35,7 +35,9 @@ The replacement
 
 Limitation
     Under HSDP with the all-reduce deferred (``set_requires_all_reduce(False)``), a reduction that
-    folds into a pending partial reduce is not treated as creating the gradient.
+    folds into a pending partial reduce is not treated as creating the gradient (the partial reduce
+    may hold earlier micro-batches' gradients, which must survive). So a parameter that no rank
+    used in any micro-batch of such a window keeps the reduced zero.
 
 Disable with ``FSDP_AUTOPATCH_RESTORE_UNUSED_PARAM_GRADS_ENABLED=0``.
 """
@@ -63,7 +65,10 @@ class _UsageProbe:
 
     def __init__(self, group: Any) -> None:
         self.used = [_has_local_grad(p) for p in group.fsdp_params]
-        self.grad_existed = [p.sharded_param.grad is not None for p in group.fsdp_params]
+        # HSDP with a deferred all-reduce: this reduction folds into a pending partial reduce that
+        # may hold earlier micro-batches' gradients, so it does not "create" the gradient.
+        folds_into_partial = getattr(group, "_partial_reduce_output", None) is not None
+        self.grad_existed = [folds_into_partial or p.sharded_param.grad is not None for p in group.fsdp_params]
 
     def merge(self, group: Any) -> None:
         # post_backward ran twice in one backward (grouped units): usage is the union.
@@ -99,7 +104,8 @@ def check() -> _compat.Verdict:
         )
     if _compat.class_attr(fsdp_module, "set_reduce_scatter_unused_params") is None:
         return _compat.not_needed(
-            f"{_compat.describe(version)} has no unused-param fill (unused_param_reduction is off)"
+            f"{_compat.describe(version)} has no unused-param fill to undo "
+            "(no FSDPModule.set_reduce_scatter_unused_params, and the backport is not applied)"
         )
     source = "torch's" if unused_param_reduction.has_native_api() else "the backported"
     return _compat.needed(f"{_compat.describe(version)}: {source} unused-param fill turns None into zero")
