@@ -76,7 +76,7 @@ def _apply_isolated(patch: Any, settings: Settings) -> None:
     try:
         if verdict.status == "needed":
             changed = patch.apply()
-            _record(patch.name, PatchStatus.APPLIED, f"{verdict.reason}; {changed}")
+            _record(patch.name, PatchStatus.APPLIED, f"{verdict.reason} -> patched: {changed}")
         else:
             _record(patch.name, PatchStatus(verdict.status), verdict.reason)
     except Exception as error:

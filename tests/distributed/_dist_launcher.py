@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,6 @@ class RunResult:
     ranks: list[RankResult]
     timed_out: bool
     elapsed_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, rank: int) -> RankResult:
         return self.ranks[rank]
@@ -151,7 +150,11 @@ def _load(path: Path) -> dict[str, Any] | None:
         return None
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - report as "saved nothing"
+        print(f"cannot load {path}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
 
 
 def run_ranks(
@@ -163,9 +166,33 @@ def run_ranks(
     timeout: float = DEFAULT_TIMEOUT_S,
     script: Path | str = SCENARIOS,
 ) -> RunResult:
-    """Run ``scenario`` on ``world_size`` ranks; never hangs longer than ``timeout``."""
+    """Run ``scenario`` on ``world_size`` ranks; never hangs longer than ``timeout``.
+
+    A job whose rendezvous port was taken in the meantime (other jobs run on this machine
+    too) is run once more on a new port.
+    """
     args = dict(args or {})
     env = dict(env or {})
+    for attempt in range(2):
+        run = _run_once(scenario, args, env, world_size, timeout, Path(script))
+        if attempt or run.timed_out or not any(_port_taken(r) for r in run.ranks):
+            return run
+    return run  # pragma: no cover
+
+
+def _port_taken(rank: RankResult) -> bool:
+    text = (rank.stderr_tail + str(rank.error or "")).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
+def _run_once(
+    scenario: str,
+    args: dict[str, Any],
+    env: dict[str, str],
+    world_size: int,
+    timeout: float,
+    script: Path,
+) -> RunResult:
     tmp = Path(tempfile.mkdtemp(prefix=f"fsdp_dist_{scenario}_"))
     port = free_port()
     procs: list[subprocess.Popen] = []
@@ -225,7 +252,8 @@ def run_ranks(
         ranks.append(
             RankResult(
                 rank=rank,
-                returncode=None if timed_out and p.returncode in (-signal.SIGKILL,) else p.returncode,
+                # None: killed by the launcher on timeout (it was still running)
+                returncode=None if timed_out and p.returncode == -signal.SIGKILL else p.returncode,
                 stdout_tail=_tail(tmp / f"rank{rank}.stdout"),
                 stderr_tail=_tail(tmp / f"rank{rank}.stderr"),
                 data=_load(tmp / f"rank{rank}.pt"),

@@ -11,8 +11,9 @@ local shard (``None`` when ``param.grad is None``), full gradients via
 rank then leaves with ``os._exit`` right after saving, so a peer stuck in a collective
 gets a closed connection instead of waiting for the launcher's timeout.
 
-``fsdp_autopatch`` is never imported before training unless a scenario needs its API
-(the backport case), so a run tests exactly what the ``.pth`` bootstrap installed.
+``fsdp_autopatch`` is not imported before the first case has trained (its registry is
+saved with every case), except where a scenario needs its API (the forced backport), so a
+run tests exactly what the ``.pth`` bootstrap installed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 import traceback
 from typing import Any, Callable
 
@@ -148,6 +148,11 @@ def plan_expert_routing(rank: int, step: int, mb: int) -> dict[str, Any]:
     return batch(rank, step, mb, experts=(rank, 2))
 
 
+def plan_expert_routing_uneven(rank: int, step: int, mb: int) -> dict[str, Any]:
+    # rank 0 uses experts 0 and 2, rank 1 only expert 2: different reduce-scatter sizes
+    return batch(rank, step, mb, experts=(0, 2) if rank == 0 else (2,))
+
+
 def plan_uniform_late_param(rank: int, step: int, mb: int) -> dict[str, Any]:
     # expert 1 is first used in the last micro-batch (every rank)
     return batch(rank, step, mb, experts=(0,) if mb == 0 else (0, 1))
@@ -172,6 +177,7 @@ def plan_mlp(rank: int, step: int, mb: int) -> dict[str, Any]:
 PLANS: dict[str, Callable[[int, int, int], dict[str, Any]]] = {
     "grad_guard": plan_grad_guard,
     "expert_routing": plan_expert_routing,
+    "expert_routing_uneven": plan_expert_routing_uneven,
     "uniform_late_param": plan_uniform_late_param,
     "uniform_fill_zero": plan_uniform_fill_zero,
     "restore_unused": plan_restore_unused,
@@ -314,6 +320,9 @@ class Ctx:
         }
 
     def save(self) -> None:
+        # the registry is saved with every case: a rank that dies later (a gloo abort
+        # kills the process) still reports it
+        self.data["autopatch"] = autopatch_status()
         tmp = self.result_path + ".tmp"
         torch.save(self.data, tmp)
         os.replace(tmp, self.result_path)
@@ -390,9 +399,11 @@ def sc_expert_routing(ctx: Ctx) -> None:
     """Rank r uses expert r inside one FSDP unit; expert 2 both ranks, expert 3 none (fp32).
 
     args["modes"]: the cases to run, each on a fresh model, in order:
-    "native" (torch's public API), "flag_off" (nothing set: ranks reduce different
-    parameter lists), "backport" (public API deleted, the plugin's backport forced; must
-    come first), "env_policy" (nothing in code; the launcher sets
+    "native" (torch's public API); "flag_off" (nothing set: the ranks reduce different
+    parameter lists of equal total size); "flag_off_uneven" (nothing set, rank 0 uses
+    one expert more than rank 1: different sizes, gloo aborts, so it must come last);
+    "backport" (public API deleted, the plugin's backport forced; alone in its job);
+    "env_policy" (nothing in code; the launcher sets
     FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -413,10 +424,11 @@ def sc_expert_routing(ctx: Ctx) -> None:
             rec["group_flags"] = group_flags(model)
             rec["init_params"] = params_local(model)
             before = native_fill_calls[0]
-            _run_step(ctx, model, plan_expert_routing, step=0, n_mb=1, accumulate=False)
+            plan = plan_expert_routing_uneven if mode == "flag_off_uneven" else plan_expert_routing
+            _run_step(ctx, model, plan, step=0, n_mb=1, accumulate=False)
             rec["native_fill_calls"] = native_fill_calls[0] - before
             rec["grads"] = grads_local(model)
-            if mode != "flag_off":  # with the flag off gradients may be None on one rank only
+            if not mode.startswith("flag_off"):  # flag off: a grad may be None on one rank only
                 rec["full_grads"] = grads_full(model)
 
 
@@ -542,26 +554,13 @@ def sc_no_change(ctx: Ctx) -> None:
             rec["steps_after"] = adam_steps(model, opt)
 
 
-def sc_selftest_hang(ctx: Ctx) -> None:
-    """Launcher self-test: leave a grandchild behind and hang forever."""
-    import subprocess
-
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    ctx.data["grandchild_pid"] = child.pid
-    ctx.save()
-    time.sleep(600)
-
-
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "grad_guard": sc_grad_guard,
     "expert_routing": sc_expert_routing,
     "uniform_dtype": sc_uniform_dtype,
     "restore_unused": sc_restore_unused,
     "no_change": sc_no_change,
-    "selftest_hang": sc_selftest_hang,
 }
-
-NEEDS_DIST = {"grad_guard", "expert_routing", "uniform_dtype", "restore_unused", "no_change"}
 
 
 def main() -> None:
@@ -569,20 +568,18 @@ def main() -> None:
     ctx = Ctx(result_path, json.loads(args_json))
     code = 0
     try:
-        if name in NEEDS_DIST:
-            from datetime import timedelta
+        from datetime import timedelta
 
-            import torch.distributed as dist
-            from torch.distributed.device_mesh import init_device_mesh
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
-            timeout = int(os.environ.get("FSDP_DIST_PG_TIMEOUT_S", "30"))
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-            ctx.mesh = init_device_mesh("cpu", (ctx.world_size,))
+        timeout = int(os.environ.get("FSDP_DIST_PG_TIMEOUT_S", "30"))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        ctx.mesh = init_device_mesh("cpu", (ctx.world_size,))
         SCENARIOS[name](ctx)
     except BaseException as e:  # noqa: BLE001 - record everything, then leave
         ctx.data["error"] = _error_record(e)
         code = 3
-    ctx.data["autopatch"] = autopatch_status()
     ctx.data["fsdp_module_has_api"] = _has_public_api()
     try:
         ctx.save()

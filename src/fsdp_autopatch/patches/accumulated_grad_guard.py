@@ -72,7 +72,7 @@ def apply() -> str:
     cls = _fsdp_param_class()
     guarded = _compat.wrap(_compat.class_attr(cls, _METHOD), _skip_never_unsharded)
     _compat.replace_all(NAME, [(cls, _METHOD, guarded)])
-    return f"FSDPParam.{_METHOD} skips parameters that were never unsharded"
+    return "it now returns early for parameters that were never unsharded"
 
 
 def revert() -> None:

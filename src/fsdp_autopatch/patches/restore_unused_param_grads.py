@@ -181,7 +181,7 @@ def apply() -> str:
             (state, _CALLBACK, _compat.wrap(callback, _restore_after_callback)),
         ],
     )
-    return "gradients the fill created for parameters no rank used are reset to None"
+    return "gradients it creates for parameters no rank used are reset to None"
 
 
 def revert() -> None:

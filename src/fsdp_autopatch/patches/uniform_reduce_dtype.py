@@ -114,7 +114,7 @@ def apply() -> str:
     sites = _import_sites(original)
     _compat.replace_all(NAME, [(module, _FUNCTION, wrapper) for module in sites])
     names = ", ".join(sorted(module.__name__.rsplit(".", 1)[-1] for module in sites))
-    return f"{_FUNCTION} widens mixed gradient dtypes (wrapped in {names})"
+    return f"mixed gradient dtypes are widened (wrapped in {names})"
 
 
 def revert() -> None:

@@ -76,7 +76,7 @@ def check() -> _compat.Verdict:
         return _compat.unsupported(
             f"FSDPParamGroup.post_backward in {_compat.describe(version)} is not the 2.6-2.12 one"
         )
-    return _compat.needed(f"{_compat.describe(version)} lacks FSDPModule.{_METHOD}: backported")
+    return _compat.needed(f"{_compat.describe(version)} lacks FSDPModule.{_METHOD}")
 
 
 def _make_setter(fsdp_module_cls: type):
@@ -139,7 +139,7 @@ def apply() -> str:
             (param_group, "post_backward", _compat.wrap(post_backward, _zero_fill_unused)),
         ],
     )
-    return f"FSDPModule.{_METHOD} provided; post_backward zero-fills unused params of flagged units"
+    return "method added; post_backward zero-fills unused params of flagged units"
 
 
 def revert() -> None:
