@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -247,9 +248,8 @@ def _run_once(
         for f in files:
             f.close()
     elapsed = time.monotonic() - start
-    ranks = []
-    for rank, p in enumerate(procs):
-        ranks.append(
+    try:
+        ranks = [
             RankResult(
                 rank=rank,
                 # None: killed by the launcher on timeout (it was still running)
@@ -258,14 +258,8 @@ def _run_once(
                 stderr_tail=_tail(tmp / f"rank{rank}.stderr"),
                 data=_load(tmp / f"rank{rank}.pt"),
             )
-        )
-    for child in tmp.iterdir():
-        try:
-            child.unlink()
-        except OSError:
-            pass
-    try:
-        tmp.rmdir()
-    except OSError:
-        pass
+            for rank, p in enumerate(procs)
+        ]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return RunResult(scenario, args, env, ranks, timed_out, elapsed)

@@ -554,12 +554,38 @@ def sc_no_change(ctx: Ctx) -> None:
             rec["steps_after"] = adam_steps(model, opt)
 
 
+def sc_restore_hsdp_window(ctx: Ctx) -> None:
+    """HSDP mesh (2 replicas x 1 shard), fill on, all-reduce deferred on the first micro-batch.
+
+    Micro-batch 0: both replicas use expert 0 (its gradient goes into the pending partial reduce).
+    Micro-batch 1: no replica uses expert 0 (the fill's zero folds into that partial reduce).
+    Expert 0's final gradient holds micro-batch 0's contribution and must survive; expert 2 is
+    used in no micro-batch of the window.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    model = build_model("experts", n_experts=3)
+    fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(True)
+    with ctx.case("window") as rec:
+        for mb, experts in enumerate(((0, 1), (1,))):
+            model.set_requires_all_reduce(mb == 1)
+            x = _randn(100 + 10 * ctx.rank + mb, ROWS_PER_RANK, DIM)
+            model(x, experts=experts).pow(2).mean().backward()
+        rec["grads"] = {
+            n: (None if p.grad is None else p.grad.full_tensor()) for n, p in model.named_parameters()
+        }
+
+
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "grad_guard": sc_grad_guard,
     "expert_routing": sc_expert_routing,
     "uniform_dtype": sc_uniform_dtype,
     "restore_unused": sc_restore_unused,
     "no_change": sc_no_change,
+    "restore_hsdp_window": sc_restore_hsdp_window,
 }
 
 

@@ -1,0 +1,164 @@
+"""Assertion helpers shared by the 2-rank tests (run in the pytest process)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from packaging.version import Version
+
+import _dist_scenarios as sc
+from _dist_launcher import RankResult, RunResult
+
+PATCHES = (
+    "accumulated_grad_guard",
+    "unused_param_reduction",
+    "uniform_reduce_dtype",
+    "restore_unused_param_grads",
+)
+ENV = {name: f"FSDP_AUTOPATCH_{name.upper()}_ENABLED" for name in PATCHES}
+
+TORCH = Version(Version(torch.__version__.split("+")[0]).base_version)
+# torch >= 2.13 ships FSDPModule.set_reduce_scatter_unused_params itself
+UNUSED_PARAM_REDUCTION_STATUS = "not_needed" if TORCH >= Version("2.13") else "applied"
+EXPECTED_STATUS = {
+    "accumulated_grad_guard": "applied",
+    "unused_param_reduction": UNUSED_PARAM_REDUCTION_STATUS,
+    "uniform_reduce_dtype": "applied",
+    "restore_unused_param_grads": "applied",
+}
+
+# Tolerances. fp32 runs differ from the single-process reference only by summation
+# order; bf16 parameters (MixedPrecisionPolicy(param_dtype=bf16)) give ~3 significant
+# digits: compare with a norm-relative error.
+FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
+BF16_REL = 2e-2  # measured max 7.7e-3 (tower.0.weight, image_last)
+
+
+# --- registry ---------------------------------------------------------------------------
+
+
+def statuses(rank: RankResult) -> dict[str, dict[str, str]]:
+    ap = rank.autopatch
+    assert ap is not None, f"rank {rank.rank} recorded no fsdp_autopatch status"
+    assert "import_error" not in ap, f"rank {rank.rank}: fsdp_autopatch not importable: {ap['import_error']}"
+    assert "status_error" not in ap, f"rank {rank.rank}: fsdp_autopatch.status() failed: {ap['status_error']}"
+    return {p["name"]: p for p in ap["patches"]}
+
+
+def assert_registry(run: RunResult, expected: dict[str, str]) -> None:
+    """Every rank's ``fsdp_autopatch.status()`` has the expected status per patch."""
+    for rank in run.ranks:
+        st = statuses(rank)
+        assert rank.autopatch["bootstrap"] == "pth", rank.autopatch
+        for name, want in expected.items():
+            assert st[name]["env"] == ENV[name], st[name]
+            got = st[name]["status"]
+            assert got == want, (
+                f"rank {rank.rank}: patch {name} is {got!r} ({st[name]['reason']}), expected {want!r}"
+            )
+
+
+def assert_registry_with_disabled(run: RunResult, disabled: str) -> None:
+    """``disabled`` reports disabled by its own variable; the other patches are unaffected."""
+    expected = dict(EXPECTED_STATUS)
+    expected[disabled] = "disabled"
+    assert_registry(run, expected)
+    for rank in run.ranks:
+        reason = statuses(rank)[disabled]["reason"]
+        assert ENV[disabled] in reason, reason
+
+
+# --- shards -> full tensors ---------------------------------------------------------------
+
+
+def gather(run: RunResult, get: Callable[[RankResult], dict[str, torch.Tensor | None]]) -> dict[str, Any]:
+    """Full tensors from every rank's Shard(0) local tensors (None if None on all ranks)."""
+    per_rank = [get(r) for r in run.ranks]
+    out: dict[str, Any] = {}
+    for name in per_rank[0]:
+        parts = [d[name] for d in per_rank]
+        if all(p is None for p in parts):
+            out[name] = None
+        elif any(p is None for p in parts):
+            raise AssertionError(
+                f"{name}: gradient None on ranks {[i for i, p in enumerate(parts) if p is None]} only"
+            )
+        else:
+            out[name] = torch.cat(parts, dim=0)
+    return out
+
+
+def case_grads(run: RunResult, case: str, key: str = "grads") -> dict[str, Any]:
+    for r in run.ranks:
+        rec = r.cases.get(case)
+        assert rec is not None, f"rank {r.rank} did not run case {case!r}\n{run.describe()}"
+        assert rec["error"] is None, (
+            f"rank {r.rank} case {case!r} raised {rec['error']['type']}: {rec['error']['message']}\n"
+            + run.describe()
+        )
+    return gather(run, lambda r: r.cases[case][key])
+
+
+def assert_full_grads_consistent(run: RunResult, case: str, full: dict[str, Any]) -> None:
+    """``grad.full_tensor()`` on every rank equals the concatenated local shards."""
+    for r in run.ranks:
+        fg = r.cases[case]["full_grads"]
+        assert set(fg) == {n for n, g in full.items() if g is not None}, (r.rank, sorted(fg))
+        for n, g in fg.items():
+            assert torch.equal(g, full[n]), f"rank {r.rank} {n}: full_tensor() != shards"
+
+
+# --- numbers ------------------------------------------------------------------------------
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
+
+
+def assert_grads_match(
+    got: dict[str, Any],
+    ref: dict[str, Any],
+    names: Iterable[str] | None = None,
+    *,
+    bf16: bool = False,
+) -> None:
+    """Each named gradient is fp32 and equals the reference (``None`` where it is None)."""
+    names = list(ref) if names is None else list(names)
+    assert names
+    for n in names:
+        g, r = got[n], ref[n]
+        if r is None:
+            assert g is None, f"{n}: expected grad None, got {g}"
+            continue
+        assert g is not None, f"{n}: grad is None, expected {r}"
+        assert g.dtype == torch.float32, f"{n}: grad dtype {g.dtype}"
+        assert g.shape == r.shape, (n, g.shape, r.shape)
+        assert r.norm() > 0, f"{n}: reference gradient is zero, the check would be vacuous"
+        if bf16:
+            e = rel_err(g, r)
+            assert e < BF16_REL, f"{n}: relative error {e:.3g} vs reference (bf16 tolerance {BF16_REL})"
+        else:
+            torch.testing.assert_close(g, r, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"{n}: {m}")
+
+
+def reference_model(kind: str, run: RunResult | None = None, params_key: str = "init_params", case: str | None = None, **kw: Any):
+    """The single-process model; checks (or loads) the weights the ranks had."""
+    model = sc.build_model(kind, **kw)
+    if run is not None:
+        if case is None:
+            full = gather(run, lambda r: r.data[params_key])
+        else:
+            full = gather(run, lambda r: r.cases[case][params_key])
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if params_key == "init_params":
+                    assert torch.equal(p, full[n]), f"{n}: ranks started from different weights"
+                p.copy_(full[n])
+    return model
+
+
+def error_of(rank: RankResult, case: str) -> dict[str, str] | None:
+    rec = rank.cases.get(case)
+    assert rec is not None, f"rank {rank.rank} did not reach case {case!r}"
+    return rec["error"]

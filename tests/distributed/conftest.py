@@ -1,0 +1,46 @@
+"""2-rank gloo CPU tests: each test module spawns fresh rank processes (see _dist_launcher).
+
+The helper modules of this folder (``_dist_launcher``, ``_dist_scenarios``,
+``_dist_checks``) are imported by name, so this folder goes on ``sys.path`` whatever
+pytest's import mode. Every test here gets the ``distributed`` marker (declared in
+pyproject.toml): deselect the folder with ``-m "not distributed"``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).resolve().parent == Path(HERE):
+            item.add_marker(pytest.mark.distributed)
+
+
+def _skip_reason() -> str | None:
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as e:  # pragma: no cover
+        return f"torch not importable: {e}"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "torch.distributed with gloo is not available"
+    from packaging.version import Version
+
+    if Version(Version(torch.__version__.split("+")[0]).base_version) < Version("2.8"):
+        return "FSDP2 on gloo/CPU needs torch >= 2.8"
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _require_gloo_fsdp2() -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)

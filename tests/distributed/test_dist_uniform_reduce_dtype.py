@@ -1,0 +1,84 @@
+"""uniform_reduce_dtype: fp32 accumulated gradients next to bf16 ones in one reduce-scatter.
+
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, two micro-batches, no
+gradient sync on the first. Gradients of the first micro-batch are kept as fp32
+accumulations; at the reducing post-backward a parameter still contributes bf16:
+
+* ``late_param``: expert 1 is first used in the last micro-batch (every rank), so the
+  upstream assertion fires on every rank before any collective;
+* ``fill_zero``: the unused-param fill is on and expert 1 is used by rank 0 in the first
+  micro-batch only, so rank 1 reduces the fill's bf16 zero next to fp32 accumulations:
+  the assertion fires on rank 1 only and rank 0 is left in its reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import _dist_checks as ck
+import _dist_scenarios as sc
+from _dist_launcher import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+PATCH = "uniform_reduce_dtype"
+ASSERT_RE = re.compile(
+    r"FSDP reduce-scatter expects uniform gradient dtype but got "
+    r"\{torch\.(bfloat16|float32), torch\.(bfloat16|float32)\}"
+)
+EXPERT1 = ("experts.1.weight", "experts.1.bias")
+
+
+@pytest.fixture(scope="module")
+def unpatched():
+    return run_ranks("uniform_dtype", env={ck.ENV[PATCH]: "0"})
+
+
+@pytest.fixture(scope="module")
+def patched():
+    return run_ranks("uniform_dtype")
+
+
+def _assert_dtype_assertion(err):
+    assert err is not None
+    assert err["type"] == "AssertionError", err
+    m = ASSERT_RE.fullmatch(err["message"])
+    assert m and {m.group(1), m.group(2)} == {"bfloat16", "float32"}, err["message"]
+
+
+def test_unpatched_late_param_asserts_on_every_rank(unpatched):
+    assert not unpatched.timed_out, unpatched.describe()
+    for rank in unpatched.ranks:
+        _assert_dtype_assertion(ck.error_of(rank, "late_param"))
+        assert "foreach_reduce" in ck.error_of(rank, "late_param")["traceback"]
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+
+
+def test_unpatched_fill_zero_asserts_on_one_rank_only(unpatched):
+    assert not unpatched.timed_out, unpatched.describe()
+    _assert_dtype_assertion(ck.error_of(unpatched[1], "fill_zero"))
+    # rank 0's gradients were uniform: it entered the reduce-scatter and lost its peer
+    err0 = ck.error_of(unpatched[0], "fill_zero")
+    assert err0 is not None, unpatched.describe()
+    assert not ASSERT_RE.search(err0["message"]), err0
+    assert err0["type"] in ("RuntimeError", "DistBackendError"), err0
+
+
+@pytest.mark.parametrize("case,plan", [("late_param", sc.plan_uniform_late_param), ("fill_zero", sc.plan_uniform_fill_zero)])
+def test_patched_grads_fp32_and_correct(patched, case, plan):
+    if case == "late_param":  # registry check once per run
+        ck.assert_registry(patched, {PATCH: "applied"})
+    grads = ck.case_grads(patched, case)
+    ck.assert_full_grads_consistent(patched, case, grads)
+    model = ck.reference_model("experts", patched, case=case, n_experts=2)
+    ref = sc.reference_grads(model, plan, step=0, n_micro_batches=2)
+    assert all(ref[n] is not None for n in ref)
+    ck.assert_grads_match(grads, ref, bf16=True)  # includes dtype == float32
+    for n in EXPERT1:
+        assert grads[n].abs().sum() > 0, n
+
+
+def test_patched_run_clean(patched):
+    patched.assert_clean()
