@@ -1,0 +1,276 @@
+"""Helpers for the install tests: fresh venvs, bounded subprocesses, and the probe programs.
+
+Every check runs in a child interpreter of a fresh venv (``python -m venv``) into which the real
+wheel (or an editable install) was put with that venv's own pip. The programs those children run
+never import ``fsdp_autopatch`` to activate it: they import torch's FSDP2 like any training script
+and read the registry from ``sys.modules``, where the ``.pth`` file must already have put it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TORCH_REQUIREMENT = "torch==2.13.0"  # on this machine pip takes it from local disk (/opt/wheels)
+
+PATCH_NAMES = (
+    "accumulated_grad_guard",
+    "unused_param_reduction",
+    "uniform_reduce_dtype",
+    "restore_unused_param_grads",
+)
+# What the contract promises on torch 2.13 (and 2.14) with nothing switched off.
+DEFAULT_STATUSES = {
+    "accumulated_grad_guard": "applied",
+    "unused_param_reduction": "not_needed",  # torch 2.13 has FSDPModule.set_reduce_scatter_unused_params
+    "uniform_reduce_dtype": "applied",
+    "restore_unused_param_grads": "applied",
+}
+# Which torch attributes each patch replaces on torch 2.13 (unused_param_reduction: none, not needed).
+PATCH_POINTS = {
+    "accumulated_grad_guard": ("FSDPParam.to_accumulated_grad_if_needed",),
+    "unused_param_reduction": (),
+    "uniform_reduce_dtype": ("_fsdp_collectives.foreach_reduce", "_fsdp_param_group.foreach_reduce"),
+    "restore_unused_param_grads": (
+        "FSDPParamGroup.post_backward",
+        "FSDPState._root_post_backward_final_callback",
+    ),
+}
+
+# Timeouts (seconds). Generous: other jobs share the 2 cores, and a first `import torch` in a
+# fresh venv also compiles torch's .pyc files.
+T_PY = 60  # an interpreter that does not import torch
+T_TORCH = 240  # an interpreter that imports torch.distributed.fsdp
+T_VENV = 300  # python -m venv (runs ensurepip)
+T_PIP = 600  # pip install of small packages, editable builds
+T_PIP_TORCH = 1200  # pip install torch (a ~200 MB wheel from local disk)
+T_BUILD = 600  # python -m build --wheel (isolated build env with hatchling)
+
+# Variables of the test runner's own environment that must not leak into the children.
+_DROP = {
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONWARNINGS",
+    "PYTHONINSPECT",
+    "PYTHONVERBOSE",
+    "PYTHONDEVMODE",
+    "PYTHONSAFEPATH",
+    "PYTHONUSERBASE",
+    "PYTHONEXECUTABLE",
+    "PYTHONNOUSERSITE",
+    "__PYVENV_LAUNCHER__",
+    "VIRTUAL_ENV",
+    # Let the children write .pyc files: torch is installed with --no-compile (compiling all of
+    # torch costs minutes), so the first import compiles what FSDP2 needs once and later imports
+    # take seconds instead of ~10 s each.
+    "PYTHONDONTWRITEBYTECODE",
+}
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The runner's environment without any ``FSDP_AUTOPATCH_*`` or interpreter-steering variable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_") and k not in _DROP}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PIP_NO_INPUT"] = "1"
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run(
+    cmd: Sequence[object],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: object = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
+    """Like ``subprocess.run(cmd, env=..., capture_output=True, text=True, timeout=...)``, plus: the
+    child gets its own process group, and a timeout (or an interrupted test) kills the whole group
+    (pip's build backends included) so that nothing is left behind; a timeout is a test failure
+    that shows whatever output there was."""
+    argv = [str(c) for c in cmd]
+    process = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=dict(env) if env is not None else clean_env(),
+        cwd=None if cwd is None else str(cwd),
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        stdout, stderr = process.communicate()
+        pytest.fail(
+            f"timed out after {timeout} s: {argv}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}",
+            pytrace=False,
+        )
+    except BaseException:  # pytest-timeout, Ctrl-C: leave no process behind
+        _kill_group(process)
+        process.communicate()
+        raise
+    result = subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+    if check and result.returncode != 0:
+        pytest.fail(f"exit {result.returncode}: {argv}\n{describe(result)}", pytrace=False)
+    return result
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    return f"--- exit {result.returncode} ---\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+
+
+def base_python() -> str:
+    """The interpreter behind the test run's venv (python -m venv from a venv nests oddly)."""
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+class Venv:
+    """A fresh virtual environment and how to run things in it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.python = self.path / "bin" / "python"
+        # How fsdp-autopatch went in (a wheel path, or "-e", dir), so that a test that uninstalls it
+        # can have it put back for the tests after it.
+        self.plugin_args: tuple[str, ...] = ()
+        self.installed = False
+
+    @classmethod
+    def create(cls, path: Path) -> "Venv":
+        run([base_python(), "-m", "venv", path], timeout=T_VENV, check=True)
+        return cls(path)
+
+    @property
+    def site_packages(self) -> Path:
+        (found,) = sorted((self.path / "lib").glob("python3*/site-packages"))
+        return found
+
+    def bin(self, name: str) -> Path:
+        return self.path / "bin" / name
+
+    def pip(self, *args: object, timeout: float = T_PIP) -> subprocess.CompletedProcess:
+        return run([self.python, "-m", "pip", *args], timeout=timeout, check=True)
+
+    def install_plugin(self, *plugin_args: object, also: Sequence[str] = (), timeout: float = T_PIP) -> None:
+        """``pip install -q [also...] <plugin_args>``, e.g. ``also=("--no-compile", "torch==2.13.0")``."""
+        self.plugin_args = tuple(str(a) for a in plugin_args)
+        self.pip("install", "-q", *also, *self.plugin_args, timeout=timeout)
+        self.installed = True
+
+    def ensure_installed(self) -> None:
+        """Put fsdp-autopatch back (its dependencies are still there) after an uninstall test."""
+        if not self.installed:
+            self.pip("install", "-q", "--no-deps", *self.plugin_args)
+            self.installed = True
+
+    def py(
+        self,
+        code: str,
+        *,
+        flags: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        timeout: float = T_PY,
+    ) -> subprocess.CompletedProcess:
+        """``<venv>/bin/python [flags] -c code`` with a clean environment plus ``env``."""
+        return run([self.python, *flags, "-c", textwrap.dedent(code)], env=clean_env(env), timeout=timeout)
+
+    def fsdp_autopatch_files(self) -> list[str]:
+        """Everything in site-packages and bin/ whose name mentions the package."""
+        names = [p.name for p in self.site_packages.iterdir() if "fsdp_autopatch" in p.name.lower()]
+        names += [f"bin/{p.name}" for p in (self.path / "bin").iterdir() if "fsdp" in p.name.lower()]
+        return sorted(names)
+
+
+def json_from(result: subprocess.CompletedProcess) -> object:
+    """The last stdout line as JSON (torch may print above it)."""
+    assert result.returncode == 0, describe(result)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines, describe(result)
+    return json.loads(lines[-1])
+
+
+# --- the probe: a user program that imports torch's FSDP2 and nothing else of ours --------------
+
+PROBE = r'''
+import json, sys
+{pre}
+import torch.distributed.fsdp
+# The probe never imports the plugin: the .pth loaded it at start-up (or nothing did).
+plugin = sys.modules.get("fsdp_autopatch")
+wrapt_loaded = "wrapt" in sys.modules  # only the plugin's hook imports wrapt
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group, _fsdp_state
+points = {{
+    "FSDPParam.to_accumulated_grad_if_needed": vars(_fsdp_param.FSDPParam)["to_accumulated_grad_if_needed"],
+    "_fsdp_collectives.foreach_reduce": _fsdp_collectives.foreach_reduce,
+    "_fsdp_param_group.foreach_reduce": _fsdp_param_group.foreach_reduce,
+    "FSDPParamGroup.post_backward": vars(_fsdp_param_group.FSDPParamGroup)["post_backward"],
+    "FSDPState._root_post_backward_final_callback": vars(_fsdp_state.FSDPState)["_root_post_backward_final_callback"],
+}}
+# torch itself decorates some of these (functools.wraps sets __wrapped__), so "patched" means
+# "is a wrapt FunctionWrapper", which torch never uses.
+import wrapt
+def wrapper_depth(obj):
+    depth = 0
+    while isinstance(obj, wrapt.FunctionWrapper):
+        depth, obj = depth + 1, obj.__wrapped__
+    return depth
+guard = points["FSDPParam.to_accumulated_grad_if_needed"]
+print(json.dumps({{
+    "loaded": plugin is not None,
+    "file": getattr(plugin, "__file__", None),
+    "wrapt_loaded": wrapt_loaded,
+    "status": plugin.status().to_dict() if plugin is not None else None,
+    "patched": {{name: wrapper_depth(obj) for name, obj in points.items()}},
+    "guard_has___wrapped__": hasattr(guard, "__wrapped__"),
+}}))
+'''
+
+
+def probe_code(pre: str = "") -> str:
+    """The probe program; ``pre`` runs before torch is imported (what a launcher might do)."""
+    return PROBE.format(pre=textwrap.dedent(pre))
+
+
+def statuses(report: Mapping) -> dict[str, str]:
+    return {p["name"]: p["status"] for p in report["patches"]}
+
+
+def reasons(report: Mapping) -> dict[str, str]:
+    return {p["name"]: p["reason"] for p in report["patches"]}
+
+
+def assert_torch_matches_registry(probe: Mapping) -> None:
+    """Each torch attribute is wrapped exactly once if its patch says applied, else not at all."""
+    status = statuses(probe["status"])
+    expected = {}
+    for name, points in PATCH_POINTS.items():
+        for point in points:
+            expected[point] = 1 if status[name] == "applied" else 0
+    assert probe["patched"] == expected, (status, probe["patched"])
+
+
+def config_warnings(stderr: str) -> list[str]:
+    """fsdp-autopatch's configuration warnings in a child's stderr, one line each (whatever the
+    exact layout: ``warnings`` output, or the plain line written when a filter made it raise)."""
+    return [line for line in stderr.splitlines() if "ConfigWarning" in line and "fsdp-autopatch" in line]
