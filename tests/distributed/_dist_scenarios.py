@@ -579,6 +579,48 @@ def sc_restore_hsdp_window(ctx: Ctx) -> None:
         }
 
 
+def sc_restore_collectives(ctx: Ctx) -> None:
+    """How many all-reduces restore_unused_param_grads adds per backward, and of what size.
+
+    MLP with 3 FSDP units (2 blocks + root holding the head), all on one process group. Cases:
+    fill off everywhere; fill on one block only (recurse=False); fill on every unit.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    calls: list[int] = []
+    try:
+        from fsdp_autopatch.patches import restore_unused_param_grads as restore
+
+        real_dist = restore.dist
+
+        class CountingDist:  # counts only the collectives issued by the patch itself
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real_dist, name)
+
+            def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                calls.append(tensor.numel())
+                return real_dist.all_reduce(tensor, *args, **kwargs)
+
+        restore.dist = CountingDist()
+    except ImportError:
+        pass
+    for name in ("fill_off", "fill_one_unit", "fill_all"):
+        model = build_model("mlp")
+        for b in model.blocks:
+            fully_shard(b, mesh=ctx.mesh)
+        fully_shard(model, mesh=ctx.mesh)
+        if name == "fill_one_unit":
+            model.blocks[0].set_reduce_scatter_unused_params(True, recurse=False)
+        elif name == "fill_all":
+            model.set_reduce_scatter_unused_params(True)
+        with ctx.case(name) as rec:
+            del calls[:]
+            for step in range(2):
+                _run_step(ctx, model, plan_mlp, step=step, n_mb=1, accumulate=False)
+            rec["all_reduce_numels"] = list(calls)
+            rec["grads"] = grads_local(model)
+
+
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "grad_guard": sc_grad_guard,
     "expert_routing": sc_expert_routing,
@@ -586,6 +628,7 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "restore_unused": sc_restore_unused,
     "no_change": sc_no_change,
     "restore_hsdp_window": sc_restore_hsdp_window,
+    "restore_collectives": sc_restore_collectives,
 }
 
 
