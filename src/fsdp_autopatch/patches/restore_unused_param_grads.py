@@ -93,14 +93,17 @@ def _classes() -> tuple[type, type, type]:
 def check() -> _compat.Verdict:
     version = _compat.torch_release()
     fsdp_module, param_group, state = _classes()
-    post_backward = _compat.class_attr(param_group, "post_backward")
-    callback = _compat.class_attr(state, _CALLBACK)
-    if not _compat.reads_names(post_backward, "reduce_grads", "fsdp_params") or not _compat.reads_names(
-        callback, "_state_ctx", "all_states"
-    ):
+    # What the wrappers read: group.fsdp_params / reduce_grads / mesh_info (set in __init__; 2.15
+    # moved the per-param loop out of post_backward), and the root's _state_ctx.all_states.
+    looks_right = (
+        _compat.reads_names(_compat.class_attr(param_group, "__init__"), "fsdp_params", "reduce_grads", "mesh_info")
+        and _compat.reads_names(_compat.class_attr(param_group, "post_backward"), "reduce_grads")
+        and _compat.reads_names(_compat.class_attr(state, _CALLBACK), "_state_ctx", "all_states")
+    )
+    if not looks_right:
         return _compat.unsupported(
-            f"FSDPParamGroup.post_backward / FSDPState.{_CALLBACK} in {_compat.describe(version)} "
-            "do not look as expected (reduce_grads, fsdp_params, _state_ctx.all_states)"
+            f"FSDPParamGroup / FSDPState.{_CALLBACK} in {_compat.describe(version)} do not look as "
+            "expected (fsdp_params, reduce_grads, mesh_info, _state_ctx.all_states)"
         )
     if _compat.class_attr(fsdp_module, "set_reduce_scatter_unused_params") is None:
         return _compat.not_needed(
