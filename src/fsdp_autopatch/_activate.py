@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from ._config import PATCH_NAMES, Settings, read_settings
+from ._config import PATCH_NAMES, REDUCE_SCATTER_UNUSED_PARAMS, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
 
 logger = logging.getLogger("fsdp_autopatch")
@@ -89,16 +89,16 @@ def _apply_isolated(patch: Any, settings: Settings) -> None:
 def _apply_policies(settings: Settings) -> None:
     if not settings.reduce_scatter_unused_params:
         return
+    from .patches import unused_param_reduction
+
     status, _ = REGISTRY.get("unused_param_reduction")
-    if status not in (PatchStatus.APPLIED, PatchStatus.NOT_NEEDED):
-        REGISTRY.record_policy(
-            "reduce_scatter_unused_params_default_on",
-            f"requested but not applied: unused_param_reduction is {status.value}",
-        )
+    # The policy needs a fill: torch's own (>= 2.13, whatever the backport's toggle) or the backport.
+    if status is not PatchStatus.APPLIED and not unused_param_reduction.has_native_api():
+        message = f"requested but not applied: no unused-param fill (unused_param_reduction is {status.value})"
+        REGISTRY.record_policy("reduce_scatter_unused_params_default_on", message)
+        warn(REDUCE_SCATTER_UNUSED_PARAMS, f"{REDUCE_SCATTER_UNUSED_PARAMS}=1 {message}")
         return
     try:
-        from .patches import unused_param_reduction
-
         description = unused_param_reduction.apply_default_on_policy()
         REGISTRY.record_policy(
             "reduce_scatter_unused_params_default_on",

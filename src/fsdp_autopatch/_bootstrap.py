@@ -4,8 +4,8 @@ Every interpreter in the environment pays for this module: pip, torchrun's agent
 each DataLoader worker. So it is stdlib only (``os``, ``sys``), imports neither torch nor wrapt
 (nor packaging, inspect, importlib.metadata), prints nothing and never raises.
 
-It does one thing: wait for ``import torch``. A meta-path finder that never finds anything
-notices the first ``import torch`` and only then imports wrapt and registers a post-import hook
+It does one thing: wait for ``import torch``. A meta-path finder notices the first
+``import torch`` and, when torch starts executing, imports wrapt and registers a post-import hook
 on ``torch.distributed.fsdp._fully_shard``; the hook (``_activate.activate``) applies the patches.
 A process that never imports torch never pays more than this module.
 
@@ -13,17 +13,18 @@ A process that never imports torch never pays more than this module.
 issue 75723) and because users may also call ``fsdp_autopatch.install()`` themselves.
 """
 
+import os
 import sys
 
-from ._config import kill_switch_off
+from ._config import KILL_SWITCH, kill_switch_off
 
 HOOK_TARGET = "torch.distributed.fsdp._fully_shard"
 _HOOK = "fsdp_autopatch._activate:activate"
 
 # How the plugin started in this process: "pth", "start", "explicit"; None = not yet.
 source = None
-# Why nothing was armed, when the kill switch was off at start-up.
-disabled_at_start = False
+# The FSDP_AUTOPATCH_ENABLED value that stopped the bootstrap from arming anything, or None.
+disabled_at_start = None
 _hook_registered = False
 
 
@@ -49,9 +50,9 @@ def _install(how):
         source = how
     if kill_switch_off():
         # Respect FSDP_AUTOPATCH_ENABLED=0 at its cheapest: arm nothing at all.
-        disabled_at_start = True
+        disabled_at_start = os.environ.get(KILL_SWITCH)
         return
-    disabled_at_start = False
+    disabled_at_start = None
     if "torch" in sys.modules:
         register_hook()  # torch came first (python -S, embedded, late explicit install)
     else:
@@ -64,28 +65,80 @@ def _arm_torch_import_trigger():
 
 
 class _TorchImportTrigger:
-    """A meta-path finder that finds nothing; it only notices the first ``import torch``.
+    """A meta-path finder that notices ``import torch`` and arms the hook when torch executes.
 
-    It stays in ``sys.meta_path`` (inert) after firing: removing a finder while the import system
-    iterates ``sys.meta_path`` could make it skip the next finder.
+    It never imports anything inside ``find_spec``: the import system calls finders while holding
+    its global import lock, and importing wrapt there could deadlock against another thread that
+    holds a module lock (e.g. ``logging``) and waits for that global lock. Instead it asks the other
+    finders for torch's real spec and wraps its loader, so that wrapt is imported at the start of
+    torch's ``exec_module``, where only torch's own module lock is held, like any nested import.
+
+    ``importlib.util.find_spec("torch")`` (an availability check) gets the wrapped spec too, but
+    nothing happens until torch really executes. After that the finder stays in ``sys.meta_path``,
+    inert: removing it while the import system iterates ``sys.meta_path`` could skip a finder.
     """
 
     fired = False
+    _searching = False  # guards against our own lookup of torch's real spec
 
     @classmethod
     def find_spec(cls, fullname, path=None, target=None):
-        if cls.fired or fullname != "torch":
+        if fullname != "torch" or cls.fired or cls._searching:
             return None
-        cls.fired = True
         try:
-            register_hook()
+            spec = cls._real_spec(fullname, path, target)
+            if spec is None or not hasattr(spec.loader, "exec_module"):
+                return None
+            spec.loader = _ArmBeforeExec(spec.loader, spec)
+            return spec
         except Exception:
-            pass
-        return None
+            return None
+
+    @classmethod
+    def _real_spec(cls, fullname, path, target):
+        cls._searching = True
+        try:
+            for finder in list(sys.meta_path):
+                find_spec = getattr(finder, "find_spec", None)
+                if finder is cls or find_spec is None:
+                    continue
+                spec = find_spec(fullname, path, target)
+                if spec is not None:
+                    return spec
+            return None
+        finally:
+            cls._searching = False
 
     @classmethod
     def invalidate_caches(cls):
         pass
+
+
+class _ArmBeforeExec:
+    """torch's own loader, plus one step before torch's ``__init__`` runs: register the hook."""
+
+    def __init__(self, loader, spec):
+        self._loader = loader
+        self._spec = spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # Put torch's real loader back first, so that nothing after this sees the wrapper.
+        self._spec.loader = self._loader
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self._loader
+        if not _TorchImportTrigger.fired:
+            _TorchImportTrigger.fired = True
+            try:
+                register_hook()
+            except Exception:
+                pass
+        self._loader.exec_module(module)
+
+    def __getattr__(self, name):  # get_filename, get_resource_reader, is_package, ...
+        return getattr(self._loader, name)
 
 
 def register_hook():

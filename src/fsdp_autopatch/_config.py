@@ -157,15 +157,15 @@ def _describe_default(default) -> str:
 def _read_disabled_list(environ, warn) -> frozenset[str]:
     raw = environ.get(DISABLED_LIST, "")
     names = {part.strip().lower() for part in raw.split(",") if part.strip()}
-    if "*" in names:
-        return frozenset(PATCH_NAMES)
-    unknown = sorted(names - set(PATCH_NAMES))
+    unknown = sorted(names - set(PATCH_NAMES) - {"*"})
     if unknown:
         warn(
             DISABLED_LIST,
             f"{DISABLED_LIST} names unknown patch(es) {', '.join(unknown)}; "
             f"known patches: {', '.join(PATCH_NAMES)} (or '*' for all)",
         )
+    if "*" in names:
+        return frozenset(PATCH_NAMES)
     return frozenset(names & set(PATCH_NAMES))
 
 

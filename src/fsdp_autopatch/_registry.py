@@ -120,8 +120,9 @@ def _explain_pending(
     status: PatchStatus, reason: str, torch_version: str | None
 ) -> tuple[PatchStatus, str]:
     """What "pending" really means when it can never change: kill switch at start, or no torch."""
-    if status is PatchStatus.PENDING and _bootstrap.disabled_at_start:
-        return PatchStatus.DISABLED, f"disabled by {KILL_SWITCH}=0 at interpreter start (nothing armed)"
+    if status is PatchStatus.PENDING and _bootstrap.disabled_at_start is not None:
+        value = _bootstrap.disabled_at_start.strip()
+        return PatchStatus.DISABLED, f"disabled by {KILL_SWITCH}={value} at interpreter start (nothing armed)"
     if status is PatchStatus.PENDING and torch_version is None:
         return PatchStatus.UNSUPPORTED, "torch is not installed in this environment"
     return status, reason

@@ -123,3 +123,51 @@ def test_bootstrap_imports_only_the_standard_library():
     ours = {m for m in new if m.startswith("fsdp_autopatch")}
     assert ours == {"fsdp_autopatch", "fsdp_autopatch._bootstrap", "fsdp_autopatch._config", "fsdp_autopatch._version"}
     assert not new & {"torch", "wrapt", "packaging", "inspect", "importlib.metadata", "dataclasses", "logging"}
+
+
+def test_first_import_of_torch_in_one_thread_does_not_deadlock_another_thread(fake_torch):
+    """The trigger must import nothing while the import system holds its global lock: a thread
+    importing ``logging`` (a module wrapt needs) at the same moment would otherwise hang forever."""
+    code = """
+        import threading
+        import fsdp_autopatch._bootstrap as bootstrap
+        bootstrap.install("pth")
+        barrier = threading.Barrier(2)
+        def first_torch_import():
+            barrier.wait(); import torch
+        def other_import():
+            barrier.wait(); import logging
+        threads = [threading.Thread(target=f) for f in (first_torch_import, other_import)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        import torch.distributed.fsdp, fsdp_autopatch
+        print(fsdp_autopatch.status().bootstrap, "wrapt" in __import__("sys").modules)
+    """
+    for _ in range(3):
+        try:
+            result = run(code, fake_torch)
+        except subprocess.TimeoutExpired:
+            pytest.fail("deadlock: the first `import torch` hung a concurrent `import logging`")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == ["pth", "True"]
+
+
+def test_availability_check_does_not_use_up_the_trigger(fake_torch):
+    """``importlib.util.find_spec("torch")`` (libraries probe for torch this way) must not arm or
+    disarm anything: the real ``import torch`` afterwards still activates the plugin."""
+    code = """
+        import importlib.util, sys, json
+        import fsdp_autopatch._bootstrap as bootstrap
+        bootstrap.install("pth")
+        assert importlib.util.find_spec("torch") is not None
+        armed_early = "wrapt" in sys.modules
+        import torch
+        assert type(torch.__loader__).__name__ == "SourceFileLoader", torch.__loader__
+        import torch.distributed.fsdp, fsdp_autopatch
+        print(json.dumps([armed_early, [p.status.value for p in fsdp_autopatch.status().patches]]))
+    """
+    result = run(code, fake_torch)
+    assert result.returncode == 0, result.stderr
+    armed_early, statuses = json.loads(result.stdout)
+    assert armed_early is False
+    assert set(statuses) == {"unsupported"}  # the hook ran (fake torch has no FSDP2 internals)

@@ -154,3 +154,9 @@ def test_kill_switch_off_is_silent_and_strict():
     assert _config.kill_switch_off({"FSDP_AUTOPATCH_ENABLED": "No"})
     assert not _config.kill_switch_off({"FSDP_AUTOPATCH_ENABLED": "garbage"})
     assert not _config.kill_switch_off({})
+
+
+def test_unknown_name_next_to_star_still_warns():
+    settings, warnings = settings_for(FSDP_AUTOPATCH_DISABLED="*,bogus")
+    assert not any(settings.patch_enabled(name)[0] for name in PATCH_NAMES)
+    assert warnings.variables == ["FSDP_AUTOPATCH_DISABLED"] and "bogus" in warnings.seen[0][1]

@@ -101,3 +101,27 @@ def test_internals_of_another_shape_are_unsupported_and_untouched(activated, mon
 
     monkeypatch.setattr(_fsdp_collectives, "foreach_reduce", foreach_reduce)
     assert uniform_reduce_dtype.check().status == "unsupported"
+
+
+def test_default_on_policy_uses_torchs_own_fill_even_with_the_backport_switched_off(activated, monkeypatch):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from fsdp_autopatch.patches import unused_param_reduction
+
+    if not unused_param_reduction.has_native_api():
+        pytest.skip("torch < 2.13: the policy needs the backport")
+    monkeypatch.setenv("FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS", "1")
+    monkeypatch.setenv("FSDP_AUTOPATCH_UNUSED_PARAM_REDUCTION_ENABLED", "0")
+    _activate.revert_all()
+    try:
+        _activate.activate()
+        report = fsdp_autopatch.status()
+        assert report["unused_param_reduction"].status.value == "disabled"
+        assert report.policies["reduce_scatter_unused_params_default_on"].startswith("every FSDP unit")
+        assert hasattr(FSDPParamGroup.__dict__["__init__"], "__wrapped__")
+    finally:
+        monkeypatch.delenv("FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS")
+        monkeypatch.delenv("FSDP_AUTOPATCH_UNUSED_PARAM_REDUCTION_ENABLED")
+        _activate.revert_all()
+        _activate.activate()
+    assert not hasattr(FSDPParamGroup.__dict__["__init__"], "__wrapped__")

@@ -35,7 +35,7 @@ def test_status_is_a_str_enum():
 
 
 def test_pending_under_kill_switch_reads_as_disabled(monkeypatch):
-    monkeypatch.setattr(_bootstrap, "disabled_at_start", True)
+    monkeypatch.setattr(_bootstrap, "disabled_at_start", "0")
     report = Registry().snapshot()
     assert {r.status for r in report.patches} == {PatchStatus.DISABLED}
     assert "FSDP_AUTOPATCH_ENABLED=0" in report.patches[0].reason
