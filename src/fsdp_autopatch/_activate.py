@@ -76,9 +76,9 @@ def _apply_isolated(patch: Any, settings: Settings) -> None:
     try:
         if verdict.status == "needed":
             changed = patch.apply()
-            _record(patch.name, PatchStatus.APPLIED, f"{verdict.reason} -> patched: {changed}")
+            _record(patch.name, PatchStatus.APPLIED, f"{verdict.reason} -> patched: {changed}", verdict)
         else:
-            _record(patch.name, PatchStatus(verdict.status), verdict.reason)
+            _record(patch.name, PatchStatus(verdict.status), verdict.reason, verdict)
     except Exception as error:
         _record(patch.name, PatchStatus.FAILED, f"{type(error).__name__}: {error}")
         logger.debug("patch %s failed", patch.name, exc_info=True)
@@ -112,8 +112,11 @@ def _apply_policies(settings: Settings) -> None:
             raise
 
 
-def _record(name: str, status: PatchStatus, reason: str) -> None:
-    REGISTRY.record(name, status, reason)
+def _record(name: str, status: PatchStatus, reason: str, verdict: Any = None) -> None:
+    decided_by = verdict.decided_by if verdict is not None else ""
+    if decided_by:
+        reason = f"{reason} [decided by the {decided_by}]"
+    REGISTRY.record(name, status, reason, decided_by)
     level = logging.WARNING if status is PatchStatus.FAILED else logging.INFO
     logger.log(level, "%s: %s (%s)", name, status.value, reason)
 

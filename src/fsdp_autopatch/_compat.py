@@ -10,16 +10,30 @@ from types import ModuleType
 from typing import Any, Callable, Iterable, NamedTuple
 
 import wrapt
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 FSDP2_PACKAGE = "torch.distributed.fsdp._fully_shard"
 
+# The releases whose FSDP2 internals were read and tested (docs/compatibility.md). Inside this
+# range a patch's version range and its structural check must agree; outside it (2.16 nightlies,
+# unparsable versions) the structural check decides alone.
+MEASURED_RELEASES = SpecifierSet(">=2.6,<2.16")
+
+STRUCTURE = "structural check"
+VERSION_AND_STRUCTURE = "version range and structural check"
+
 
 class Verdict(NamedTuple):
-    """A patch's answer to "needed here?": ``status`` is "needed", "not_needed" or "unsupported"."""
+    """A patch's answer to "needed here?".
+
+    ``status`` is "needed", "not_needed" or "unsupported"; ``decided_by`` says which check
+    decided it (:data:`STRUCTURE` or :data:`VERSION_AND_STRUCTURE`).
+    """
 
     status: str
     reason: str
+    decided_by: str = STRUCTURE
 
 
 def needed(reason: str) -> Verdict:
@@ -32,6 +46,38 @@ def not_needed(reason: str) -> Verdict:
 
 def unsupported(reason: str) -> Verdict:
     return Verdict("unsupported", reason)
+
+
+def decide(structural: Verdict, version: Version | None, affected: SpecifierSet, bug: str) -> Verdict:
+    """Combine a patch's structural check with the releases known to have its bug.
+
+    * structure unsupported: the internals the patch wraps are not there; torch stays untouched.
+    * a release outside :data:`MEASURED_RELEASES` (or an unparsable version): the structure decides.
+    * a measured release where both agree: that verdict, decided by both.
+    * the structure shows the buggy code on a release thought fixed: patch it (the wrapper only
+      changes behaviour where the bug would strike), decided by the structure.
+    * the structure shows no bug on a release known to have it (a vendor build?): we cannot tell
+      where the bug went, so torch is left untouched ("unsupported").
+    """
+    where = describe(version)
+    if structural.status == "unsupported":
+        return Verdict("unsupported", f"{where}: {structural.reason}", STRUCTURE)
+    if version is None or version not in MEASURED_RELEASES:
+        note = f"outside the measured releases {MEASURED_RELEASES}"
+        return Verdict(structural.status, f"{where}: {structural.reason} ({note})", STRUCTURE)
+    has_bug = version in affected
+    if has_bug == (structural.status == "needed"):
+        range_note = f"{bug} affects torch {affected}"
+        return Verdict(structural.status, f"{where}: {structural.reason}; {range_note}", VERSION_AND_STRUCTURE)
+    if structural.status == "needed":
+        note = f"the version range ({bug} in torch {affected}) does not include it"
+        return Verdict("needed", f"{where}: {structural.reason}, although {note}", STRUCTURE)
+    return Verdict(
+        "unsupported",
+        f"{where}: {structural.reason}, but {bug} is expected in torch {affected}: this build differs "
+        "from the measured release, torch left untouched",
+        STRUCTURE,
+    )
 
 
 # --- torch version ---------------------------------------------------------------------------

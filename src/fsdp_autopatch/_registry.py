@@ -41,9 +41,18 @@ class PatchRecord:
     status: PatchStatus
     reason: str
     env: str  # the variable that switches this patch on or off
+    # which check decided applied / not_needed / unsupported: "structural check" or
+    # "version range and structural check"; empty for pending, disabled and failed
+    decided_by: str = ""
 
     def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "status": self.status.value, "reason": self.reason, "env": self.env}
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "reason": self.reason,
+            "env": self.env,
+            "decided_by": self.decided_by,
+        }
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ _PENDING_REASON = f"waiting for {HOOK_TARGET} to be imported"
 class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._records: dict[str, tuple[PatchStatus, str]] = {}
+        self._records: dict[str, tuple[PatchStatus, str, str]] = {}
         self._policies: dict[str, str] = {}
         self._torch_version: str | None = None
         self.reset()
@@ -86,12 +95,12 @@ class Registry:
     def reset(self) -> None:
         """Every patch back to pending (tests; a fresh process starts like this)."""
         with self._lock:
-            self._records = {name: (PatchStatus.PENDING, _PENDING_REASON) for name in PATCH_NAMES}
+            self._records = {name: (PatchStatus.PENDING, _PENDING_REASON, "") for name in PATCH_NAMES}
             self._policies = {}
 
-    def record(self, name: str, status: PatchStatus, reason: str) -> None:
+    def record(self, name: str, status: PatchStatus, reason: str, decided_by: str = "") -> None:
         with self._lock:
-            self._records[name] = (PatchStatus(status), reason)
+            self._records[name] = (PatchStatus(status), reason, decided_by)
 
     def record_policy(self, name: str, description: str) -> None:
         with self._lock:
@@ -103,14 +112,15 @@ class Registry:
 
     def get(self, name: str) -> tuple[PatchStatus, str]:
         with self._lock:
-            return self._records[name]
+            status, reason, _ = self._records[name]
+            return status, reason
 
     def snapshot(self) -> StatusReport:
         torch_version = self._torch_version or _torch_version_without_import()
         with self._lock:
             patches = tuple(
-                PatchRecord(name, *_explain_pending(status, reason, torch_version), patch_env_var(name))
-                for name, (status, reason) in self._records.items()
+                PatchRecord(name, *_explain_pending(status, reason, torch_version), patch_env_var(name), decided_by)
+                for name, (status, reason, decided_by) in self._records.items()
             )
             policies = dict(self._policies)
         return StatusReport(__version__, torch_version, _bootstrap.source or "not_run", patches, policies)

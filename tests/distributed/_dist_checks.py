@@ -2,37 +2,64 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Callable, Iterable
 
 import torch
-from packaging.version import Version
 
 import _dist_scenarios as sc
+import expected as ex
 from _dist_launcher import RankResult, RunResult
 
-PATCHES = (
-    "accumulated_grad_guard",
-    "unused_param_reduction",
-    "uniform_reduce_dtype",
-    "restore_unused_param_grads",
-)
+PATCHES = ex.PATCHES
 ENV = {name: f"FSDP_AUTOPATCH_{name.upper()}_ENABLED" for name in PATCHES}
 
-TORCH = Version(Version(torch.__version__.split("+")[0]).base_version)
-# torch >= 2.13 ships FSDPModule.set_reduce_scatter_unused_params itself
-UNUSED_PARAM_REDUCTION_STATUS = "not_needed" if TORCH >= Version("2.13") else "applied"
-EXPECTED_STATUS = {
-    "accumulated_grad_guard": "applied",
-    "unused_param_reduction": UNUSED_PARAM_REDUCTION_STATUS,
-    "uniform_reduce_dtype": "applied",
-    "restore_unused_param_grads": "applied",
-}
+RELEASE = ex.release_of(torch.__version__)
+EXPECTED_STATUS = ex.expected_status(RELEASE)
+# what each bug's scenario gives on this torch with its patch disabled (tests/expected.py)
+UNPATCHED = ex.unpatched_outcome(RELEASE)
+NATIVE_UNUSED_PARAM_API = ex.has_native_unused_param_api(RELEASE)
 
 # Tolerances. fp32 runs differ from the single-process reference only by summation
 # order; bf16 parameters (MixedPrecisionPolicy(param_dtype=bf16)) give ~3 significant
 # digits: compare with a norm-relative error.
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
 BF16_REL = 2e-2  # measured max 7.7e-3 (tower.0.weight, image_last)
+
+
+# --- observations for the compatibility matrix (scripts/matrix.py) -----------------------------
+
+
+def observe(bug: str, plugin: str, outcome: str, detail: str) -> None:
+    """Record what a scenario showed: ``plugin`` is "off" (the bug's patch disabled) or "on".
+
+    Written as one JSON line to ``$FSDP_AUTOPATCH_MATRIX_RECORD`` when the matrix runner sets
+    it; a no-op otherwise. "off" records are written before the test asserts, so a torch that
+    surprises us still shows up in the table.
+    """
+    path = os.environ.get("FSDP_AUTOPATCH_MATRIX_RECORD")
+    if not path:
+        return
+    record = {"bug": bug, "plugin": plugin, "outcome": f"{outcome}: {detail}" if detail else outcome}
+    if plugin == "off":
+        record["kind"], record["expected"] = outcome, UNPATCHED[bug]
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def expect_unpatched(bug: str, outcome: str, detail: str, run: RunResult) -> None:
+    """Record, then check, what the scenario gave with the bug's patch disabled."""
+    observe(bug, "off", outcome, detail)
+    assert outcome == UNPATCHED[bug], (
+        f"bug ({bug}) without its patch on torch {torch.__version__}: expected {UNPATCHED[bug]!r}, "
+        f"saw {outcome!r} ({detail})\n{run.describe()}"
+    )
+
+
+def observe_patched(bug: str, detail: str) -> None:
+    """Record a passing "with the plugin" check (call it after the assertions)."""
+    observe(bug, "on", "correct", detail)
 
 
 # --- registry ---------------------------------------------------------------------------
@@ -63,6 +90,8 @@ def assert_registry_with_disabled(run: RunResult, disabled: str) -> None:
     """``disabled`` reports disabled by its own variable; the other patches are unaffected."""
     expected = dict(EXPECTED_STATUS)
     expected[disabled] = "disabled"
+    if disabled == "unused_param_reduction" and not NATIVE_UNUSED_PARAM_API:
+        expected["restore_unused_param_grads"] = "not_needed"  # no fill left to undo
     assert_registry(run, expected)
     for rank in run.ranks:
         reason = statuses(rank)[disabled]["reason"]

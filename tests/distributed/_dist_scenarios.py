@@ -411,7 +411,8 @@ def sc_expert_routing(ctx: Ctx) -> None:
     modes = ctx.args["modes"]
     if "backport" in modes:
         assert modes == ["backport"], "the backport changes torch for the whole process"
-        if "set_reduce_scatter_unused_params" in FSDPModule.__dict__:
+        method = FSDPModule.__dict__.get("set_reduce_scatter_unused_params")
+        if method is not None and not getattr(method, "__fsdp_autopatch__", False):
             del FSDPModule.set_reduce_scatter_unused_params  # simulate torch < 2.13
         ctx.data["backport"] = _force_unused_param_backport()
     native_fill_calls = _count_native_fill()
@@ -534,7 +535,11 @@ def sc_no_change(ctx: Ctx) -> None:
     """Nothing unused; fp32, bf16/fp32 MP, and MP with the fill on: 2 AdamW steps."""
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.fsdp import FSDPModule
+
     for name, mp_kind, fill in (("fp32", None, False), ("mp", "bf16", False), ("mp_fill", "bf16", True)):
+        if fill and not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+            continue  # torch < 2.13 with the plugin off: no fill to compare
         model = build_model("mlp")
         mp = _mp_policy(mp_kind)
         for b in model.blocks:

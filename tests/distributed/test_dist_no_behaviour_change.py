@@ -43,6 +43,8 @@ def test_registry(plugin_on, plugin_off):
 
 @pytest.mark.parametrize("case", CASES)
 def test_bitwise_identical(plugin_on, plugin_off, case):
+    if case == "mp_fill" and not ck.NATIVE_UNUSED_PARAM_API:
+        pytest.skip("torch < 2.13 has no fill without the plugin: nothing to compare with")
     for on, off in zip(plugin_on.ranks, plugin_off.ranks):
         a, b = on.cases[case], off.cases[case]
         assert a["error"] is None and b["error"] is None, (a["error"], b["error"])

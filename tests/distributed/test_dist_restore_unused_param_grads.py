@@ -40,10 +40,25 @@ def _check_warmup(run):
         assert set(rank.cases["warmup"]["steps_after"].values()) == {1.0}
 
 
+def _unused_param_outcome(run) -> tuple[str, str]:
+    """(outcome, detail) of the "partial" step for the parameter no rank used."""
+    moved = []
+    for rank in run.ranks:
+        rec = rank.cases["partial"]
+        grads = [rec["grads"][n] for n in UNUSED]
+        if all(g is None for g in grads) and torch.equal(rec["params_after"][UNUSED[0]], rec["params_before"][UNUSED[0]]):
+            continue
+        moved.append(float((rec["params_after"][UNUSED[0]] - rec["params_before"][UNUSED[0]]).abs().max()))
+    if not moved:
+        return ck.ex.FIXED, "grad None, weights unchanged"
+    return ck.ex.REPRODUCES, f"zero grad, AdamW moved the unused weight by up to {max(moved):.1e}"
+
+
 def test_unpatched_unused_param_gets_zero_grad_and_moves(unpatched):
     unpatched.assert_clean()
     ck.assert_registry_with_disabled(unpatched, PATCH)
     _check_warmup(unpatched)
+    ck.expect_unpatched("d", *_unused_param_outcome(unpatched), unpatched)
     for rank in unpatched.ranks:
         rec = rank.cases["partial"]
         for n in UNUSED:
@@ -68,6 +83,7 @@ def test_patched_unused_param_untouched(patched):
             assert torch.equal(rec["params_after"][n], rec["params_before"][n]), n  # bitwise
             assert rec["steps_before"][n] == rec["steps_after"][n] == 1.0, n
             assert rec["exp_avg_before"][n].abs().sum() > 0  # AdamW had momentum to move it with
+    ck.observe_patched("d", "grad None, weights and AdamW step unchanged")
 
 
 def test_patched_params_used_on_one_rank_keep_averaged_grads(patched):

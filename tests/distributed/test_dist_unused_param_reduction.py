@@ -41,6 +41,11 @@ def native_then_flag_off():
 
 
 @pytest.fixture(scope="module")
+def unpatched():
+    return run_ranks("expert_routing", args={"modes": ["native"]}, env={ck.ENV[PATCH]: "0"})
+
+
+@pytest.fixture(scope="module")
 def backport():
     return run_ranks("expert_routing", args={"modes": ["backport"]})
 
@@ -127,13 +132,38 @@ def test_flag_off_uneven_sizes_abort(native_then_flag_off):
             assert "Connection" in rec["error"]["message"] or "connection" in rec["error"]["message"]
 
 
+def test_unpatched(unpatched, reference):
+    """Before 2.13 the method does not exist without the backport; from 2.13 torch's own works."""
+    assert not unpatched.timed_out, unpatched.describe()
+    errors = [ck.error_of(rank, "native") for rank in unpatched.ranks]
+    if all(e is not None and e["type"] == "AttributeError" and "set_reduce_scatter_unused_params" in e["message"] for e in errors):
+        outcome = ck.ex.REPRODUCES
+        detail = "no set_reduce_scatter_unused_params (AttributeError); without the fill, expert gradients mix across ranks"
+    elif not any(errors):
+        outcome, detail = ck.ex.FIXED, "torch's own set_reduce_scatter_unused_params: gradients equal the reference"
+    else:
+        outcome, detail = "other", f"errors {errors}"
+    ck.expect_unpatched("b", outcome, detail, unpatched)
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+    if outcome == ck.ex.FIXED:
+        unpatched.assert_clean()
+        _check_filled(unpatched, "native", reference)
+
+
 def test_native_api_gives_averaged_gradients(native_then_flag_off, reference):
+    """``set_reduce_scatter_unused_params(True)`` as a user calls it: torch's, or the backport."""
     run = native_then_flag_off
     assert not run.timed_out, run.describe()
     ck.assert_registry(run, ck.EXPECTED_STATUS)
     _check_filled(run, "native", reference)
     for rank in run.ranks:
-        assert rank.cases["native"]["native_fill_calls"] > 0  # torch's own fill did the work
+        fills = rank.cases["native"]["native_fill_calls"]
+        if ck.NATIVE_UNUSED_PARAM_API:
+            assert fills > 0  # torch's own fill did the work
+        else:
+            assert fills == 0  # torch has no fill: the backport did the work
+    source = "torch's method" if ck.NATIVE_UNUSED_PARAM_API else "the backported method"
+    ck.observe_patched("b", f"{source}: every expert's gradient equals the reference")
 
 
 def test_backport_gives_averaged_gradients(backport, reference):

@@ -116,7 +116,8 @@ def test_verdicts_become_statuses(monkeypatch, registry):
     _activate.activate()
     report = registry.snapshot()
     assert report["unused_param_reduction"].status is PatchStatus.NOT_NEEDED
-    assert report["unused_param_reduction"].reason == "torch has it"
+    assert report["unused_param_reduction"].reason == "torch has it [decided by the structural check]"
+    assert report["unused_param_reduction"].decided_by == "structural check"
     assert report["uniform_reduce_dtype"].status is PatchStatus.UNSUPPORTED
     assert ("apply", "unused_param_reduction") not in log and ("apply", "uniform_reduce_dtype") not in log
 

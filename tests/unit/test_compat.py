@@ -3,6 +3,7 @@
 import types
 
 import pytest
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from fsdp_autopatch import _compat
@@ -28,6 +29,39 @@ def test_unparsable_version_is_none_and_never_counts_as_before():
     assert not _compat.before(version, "2.15")
     assert _compat.before(Version("2.14.1"), "2.15")
     assert not _compat.before(_compat.parse_torch_version("2.15.0.dev20260101"), "2.15")
+
+
+AFFECTED = SpecifierSet(">=2.6,<2.15")
+
+
+@pytest.mark.parametrize(
+    "structural, version, status, decided_by",
+    [
+        # a measured release where structure and version range agree: both decided
+        ("needed", "2.13.0", "needed", _compat.VERSION_AND_STRUCTURE),
+        ("not_needed", "2.15.0", "not_needed", _compat.VERSION_AND_STRUCTURE),
+        # 2.16 nightlies and unparsable versions: the structure alone
+        ("needed", "2.16.0", "needed", _compat.STRUCTURE),
+        ("not_needed", "2.16.0", "not_needed", _compat.STRUCTURE),
+        ("needed", None, "needed", _compat.STRUCTURE),
+        # buggy code on a release thought fixed: patch it, the structure decided
+        ("needed", "2.15.0", "needed", _compat.STRUCTURE),
+        # no bug found where the release has it (a vendor build): leave torch alone
+        ("not_needed", "2.13.0", "unsupported", _compat.STRUCTURE),
+        # internals missing: unsupported whatever the version
+        ("unsupported", "2.13.0", "unsupported", _compat.STRUCTURE),
+    ],
+)
+def test_decide_combines_structure_and_version_range(structural, version, status, decided_by):
+    verdict = _compat.decide(
+        _compat.Verdict(structural, "what the structure shows"),
+        Version(version) if version else None,
+        AFFECTED,
+        "the bug",
+    )
+    assert (verdict.status, verdict.decided_by) == (status, decided_by)
+    assert "what the structure shows" in verdict.reason
+    assert verdict.reason.startswith(f"torch {version}" if version else "torch (unparsable version)")
 
 
 class Target:

@@ -32,11 +32,15 @@ Disable with ``FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED=0``.
 
 from __future__ import annotations
 
+from packaging.specifiers import SpecifierSet
+
 from .. import _compat
 from . import Patch
 
 NAME = "accumulated_grad_guard"
 _METHOD = "to_accumulated_grad_if_needed"
+# 2.6 has the unguarded read but its final callback never reaches it (latent); 2.7-2.14 crash.
+AFFECTED = SpecifierSet(">=2.6,<2.15")
 
 
 def _fsdp_param_class() -> type:
@@ -44,20 +48,18 @@ def _fsdp_param_class() -> type:
 
 
 def check() -> _compat.Verdict:
-    version = _compat.torch_release()
+    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "the _unsharded_param crash")
+
+
+def _structural_check() -> _compat.Verdict:
     method = _compat.class_attr(_fsdp_param_class(), _METHOD)
     if method is None:
-        if not _compat.before(version, "2.15"):
-            return _compat.not_needed(
-                f"{_compat.describe(version)} has no FSDPParam.{_METHOD} "
-                "(2.15 rewrote gradient accumulation; the crash path is gone)"
-            )
-        return _compat.unsupported(f"FSDPParam.{_METHOD} not found in {_compat.describe(version)}")
+        return _compat.not_needed(
+            f"FSDPParam has no {_METHOD} (2.15 rewrote gradient accumulation; the crash path is gone)"
+        )
     if not _compat.reads_names(method, "_unsharded_param"):
         return _compat.unsupported(f"FSDPParam.{_METHOD} no longer reads _unsharded_param")
-    return _compat.needed(
-        f"{_compat.describe(version)}: FSDPParam.{_METHOD} reads the lazily created _unsharded_param"
-    )
+    return _compat.needed(f"FSDPParam.{_METHOD} reads the lazily created _unsharded_param")
 
 
 def _skip_never_unsharded(wrapped, fsdp_param, args, kwargs):

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from packaging.specifiers import SpecifierSet
 
 from .. import _compat
 from . import Patch
@@ -55,6 +56,8 @@ from . import unused_param_reduction
 
 NAME = "restore_unused_param_grads"
 _CALLBACK = "_root_post_backward_final_callback"
+# Every release with a fill (torch's from 2.13, the backport before) zero-fills unused params.
+AFFECTED = SpecifierSet(">=2.6")
 _PROBE = "_fsdp_autopatch_usage_probe"  # FSDPParamGroup attribute, lives for one backward
 
 
@@ -91,8 +94,18 @@ def _classes() -> tuple[type, type, type]:
 
 
 def check() -> _compat.Verdict:
-    version = _compat.torch_release()
-    fsdp_module, param_group, state = _classes()
+    fsdp_module, _, _ = _classes()
+    if _compat.class_attr(fsdp_module, "set_reduce_scatter_unused_params") is None:
+        # Not a property of the release: before 2.13 only the backport provides a fill.
+        return _compat.not_needed(
+            f"{_compat.describe(_compat.torch_release())} has no unused-param fill to undo "
+            "(no FSDPModule.set_reduce_scatter_unused_params, and the backport is not applied)"
+        )
+    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "a fill that turns None into zero")
+
+
+def _structural_check() -> _compat.Verdict:
+    _, param_group, state = _classes()
     # What the wrappers read: group.fsdp_params / reduce_grads / mesh_info (set in __init__; 2.15
     # moved the per-param loop out of post_backward), and the root's _state_ctx.all_states.
     looks_right = (
@@ -102,16 +115,11 @@ def check() -> _compat.Verdict:
     )
     if not looks_right:
         return _compat.unsupported(
-            f"FSDPParamGroup / FSDPState.{_CALLBACK} in {_compat.describe(version)} do not look as "
-            "expected (fsdp_params, reduce_grads, mesh_info, _state_ctx.all_states)"
-        )
-    if _compat.class_attr(fsdp_module, "set_reduce_scatter_unused_params") is None:
-        return _compat.not_needed(
-            f"{_compat.describe(version)} has no unused-param fill to undo "
-            "(no FSDPModule.set_reduce_scatter_unused_params, and the backport is not applied)"
+            f"FSDPParamGroup / FSDPState.{_CALLBACK} do not look as expected "
+            "(fsdp_params, reduce_grads, mesh_info, _state_ctx.all_states)"
         )
     source = "torch's" if unused_param_reduction.has_native_api() else "the backported"
-    return _compat.needed(f"{_compat.describe(version)}: {source} unused-param fill turns None into zero")
+    return _compat.needed(f"{source} unused-param fill turns None into zero")
 
 
 def _probe_usage(wrapped, group, args, kwargs):

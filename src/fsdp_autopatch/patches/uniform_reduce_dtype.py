@@ -41,6 +41,7 @@ import sys
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from .. import _compat
 from . import Patch
@@ -48,6 +49,8 @@ from . import Patch
 NAME = "uniform_reduce_dtype"
 _FUNCTION = "foreach_reduce"
 _ASSERT_MESSAGE = "expects uniform gradient dtype"
+# foreach_reduce asserts one gradient dtype from FSDP2's start up to 2.14; 2.15 removed it.
+AFFECTED = SpecifierSet(">=2.6,<2.15")
 
 
 def _collectives():
@@ -55,19 +58,16 @@ def _collectives():
 
 
 def check() -> _compat.Verdict:
-    version = _compat.torch_release()
+    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "the uniform-dtype assertion")
+
+
+def _structural_check() -> _compat.Verdict:
     function = getattr(_collectives(), _FUNCTION, None)
     if function is None or _compat.first_parameters(function, 2) != ("fsdp_params", "unsharded_grads"):
-        return _compat.unsupported(
-            f"{_FUNCTION}(fsdp_params, unsharded_grads, ...) not found in {_compat.describe(version)}"
-        )
+        return _compat.unsupported(f"{_FUNCTION}(fsdp_params, unsharded_grads, ...) not found")
     if not _compat.has_string_constant(function, _ASSERT_MESSAGE):
-        if not _compat.before(version, "2.15"):
-            return _compat.not_needed(
-                f"{_compat.describe(version)}: {_FUNCTION} no longer asserts a uniform gradient dtype"
-            )
-        return _compat.unsupported(f"{_FUNCTION} in {_compat.describe(version)} has no dtype assertion")
-    return _compat.needed(f"{_compat.describe(version)}: {_FUNCTION} asserts a uniform gradient dtype")
+        return _compat.not_needed(f"{_FUNCTION} no longer asserts a uniform gradient dtype")
+    return _compat.needed(f"{_FUNCTION} asserts a uniform gradient dtype")
 
 
 def widest_float_dtype(dtypes) -> Any:

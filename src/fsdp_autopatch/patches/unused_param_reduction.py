@@ -17,7 +17,10 @@ Torch versions
 Needed here?
     ``FSDPModule.set_reduce_scatter_unused_params`` exists -> not needed. Otherwise
     ``FSDPParamGroup.post_backward`` must look as it does in 2.6 - 2.12 (reads ``reduce_grads``,
-    ``fsdp_params`` and the lazily created ``_unsharded_param``) -> needed; else unsupported.
+    ``fsdp_params`` and the unsharded parameter, ``_unsharded_param`` or on 2.6 the
+    ``unsharded_param`` property) and ``FSDPParam.init_unsharded_param`` must create
+    ``_unsharded_param`` -> needed; else unsupported. Both must agree with the version range
+    (< 2.13) on the releases measured in docs/compatibility.md.
 
 The replacement
     * ``FSDPModule.set_reduce_scatter_unused_params(reduce_scatter_unused_params, *, recurse=True)``
@@ -41,6 +44,7 @@ Disable with ``FSDP_AUTOPATCH_UNUSED_PARAM_REDUCTION_ENABLED=0``.
 from __future__ import annotations
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from .. import _compat
 from . import Patch
@@ -48,6 +52,8 @@ from . import Patch
 NAME = "unused_param_reduction"
 POLICY = "reduce_scatter_unused_params_default_on"
 _METHOD = "set_reduce_scatter_unused_params"
+# torch 2.13 added the method; every FSDP2 release before lacks it.
+AFFECTED = SpecifierSet(">=2.6,<2.13")
 _FLAG = "reduce_scatter_unused_params"  # FSDPParamGroup attribute, as in torch >= 2.13
 
 
@@ -65,18 +71,32 @@ def has_native_api() -> bool:
 
 
 def check() -> _compat.Verdict:
-    version = _compat.torch_release()
+    return _compat.decide(
+        _structural_check(), _compat.torch_release(), AFFECTED, f"the missing FSDPModule.{_METHOD}"
+    )
+
+
+def _structural_check() -> _compat.Verdict:
     if has_native_api():
-        return _compat.not_needed(f"{_compat.describe(version)} provides FSDPModule.{_METHOD}")
+        return _compat.not_needed(f"torch provides FSDPModule.{_METHOD}")
     _, param_group = _classes()
+    fsdp_param = _compat.fsdp_module("_fsdp_param").FSDPParam
     post_backward = _compat.class_attr(param_group, "post_backward")
-    if post_backward is None or not _compat.reads_names(
-        post_backward, "reduce_grads", "fsdp_params", "_unsharded_param"
-    ):
-        return _compat.unsupported(
-            f"FSDPParamGroup.post_backward in {_compat.describe(version)} is not the 2.6-2.12 one"
+    # What the zero fill relies on: post_backward walks group.fsdp_params when reduce_grads is
+    # set and collects each unsharded parameter's .grad (2.6 reads it through the
+    # unsharded_param property, 2.7-2.12 through _unsharded_param), which FSDPParam creates in
+    # init_unsharded_param.
+    looks_right = (
+        _compat.reads_names(post_backward, "reduce_grads", "fsdp_params")
+        and (
+            _compat.reads_names(post_backward, "_unsharded_param")
+            or _compat.reads_names(post_backward, "unsharded_param")
         )
-    return _compat.needed(f"{_compat.describe(version)} lacks FSDPModule.{_METHOD}")
+        and _compat.reads_names(_compat.class_attr(fsdp_param, "init_unsharded_param"), "_unsharded_param")
+    )
+    if not looks_right:
+        return _compat.unsupported("FSDPParamGroup.post_backward is not the 2.6-2.12 one")
+    return _compat.needed(f"FSDPModule.{_METHOD} is missing")
 
 
 def _make_setter(fsdp_module_cls: type):

@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""The torch compatibility matrix: every release from 2.6 to 2.15, each in a throwaway venv.
+
+For each release (latest patch, ``torch==2.N.*``) this creates a venv, installs that torch and
+the wheel built from this checkout (not an editable install), and runs:
+
+1. the registry check: ``import torch.distributed.fsdp`` in a fresh interpreter, then each
+   patch's status and reason from ``fsdp_autopatch.status()``, compared with ``tests/expected.py``;
+2. ``pytest tests/unit tests/distributed``: every 2-rank gloo scenario with the plugin active
+   (values checked against single-process references) and with each patch disabled (the bug
+   must reproduce exactly on the releases that ``tests/expected.py`` says have it); the tests
+   record what they saw in a JSON-lines file that becomes the "without / with plugin" cells.
+
+torch 2.6 and 2.7 cannot run FSDP2 on gloo (no ``ReduceOp.AVG``): for them only step 1 runs,
+so the patches' structural checks are evaluated against the real torch modules.
+
+The venv is deleted after each release (a CUDA build of torch is several GB); the next
+release's venv is installed while the current one is tested, so at most two exist at once.
+
+Usage (from the repository root; stdlib only, any Python >= 3.9 with venv and pip)::
+
+    python3 scripts/matrix.py                        # all releases, results in .artifacts/matrix
+    python3 scripts/matrix.py --releases 2.12 2.15   # a subset
+    python3 scripts/matrix.py --update-docs          # also rewrite the table in docs/compatibility.md
+
+Exit status 0 when every release matches its expectations. Pip here caps torch at 2.14.1
+(``/etc/xdg/pip/constraints.txt``); the installs set ``PIP_CONSTRAINT=/dev/null`` to lift it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASES = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy")
+INSTALL_TIMEOUT = 45 * 60
+REGISTRY_TIMEOUT = 10 * 60
+TESTS_TIMEOUT = 60 * 60
+BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
+
+REGISTRY_PROBE = r"""
+import json, platform
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp  # the import that activates the plugin
+import fsdp_autopatch
+print(json.dumps({
+    "torch": torch.__version__,
+    "python": platform.python_version(),
+    "cuda": torch.version.cuda,
+    "gloo_avg": hasattr(dist.ReduceOp, "AVG") and dist.is_gloo_available(),
+    "plugin": fsdp_autopatch.__version__,
+    "report": fsdp_autopatch.status().to_dict(),
+}))
+"""
+
+
+def load_expected():
+    spec = importlib.util.spec_from_file_location("fsdp_autopatch_expected", ROOT / "tests" / "expected.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXPECTED = load_expected()
+
+
+def log(message: str) -> None:
+    sys.stdout.write(f"[{dt.datetime.now():%H:%M:%S}] {message}\n")  # one write: two threads log
+    sys.stdout.flush()
+
+
+def run(cmd, *, log_file: Path, timeout: float, cwd: Path | None = None, env=None) -> int:
+    """Run ``cmd`` with its output appended to ``log_file``; the exit status, or -9 on timeout."""
+    with open(log_file, "a") as out:
+        out.write(f"$ {' '.join(map(str, cmd))}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the whole session: pytest and its rank processes
+            proc.wait()
+            out.write(f"\n*** timed out after {timeout:.0f} s\n")
+            return -9
+
+
+def tree_size_mb(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return round(total / 2**20)
+
+
+def build_wheel(dest: Path, log_file: Path) -> Path:
+    log("building the wheel")
+    code = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dest, ROOT], log_file=log_file, timeout=600)
+    wheels = sorted(dest.glob("fsdp_autopatch-*.whl"))
+    if code != 0 or not wheels:
+        sys.exit(f"wheel build failed, see {log_file}")
+    return wheels[-1]
+
+
+def pip_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PIP_CONSTRAINT="/dev/null", PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env
+
+
+def test_env(record: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1")
+    if record is not None:
+        env["FSDP_AUTOPATCH_MATRIX_RECORD"] = str(record)
+    return env
+
+
+def install(release: str, venv: Path, wheel: Path, logs: Path, python: str) -> dict:
+    """Create ``venv`` with torch ``release`` (latest patch), the wheel and the test tools."""
+    started = time.monotonic()
+    log_file = logs / f"{release}-install.log"
+    shutil.rmtree(venv, ignore_errors=True)
+    code = run([python, "-m", "venv", venv], log_file=log_file, timeout=300)
+    if code == 0:
+        pip = [venv / "bin" / "python", "-m", "pip", "install", "-q"]
+        code = run([*pip, f"torch=={release}.*", wheel, *TEST_PACKAGES], log_file=log_file, timeout=INSTALL_TIMEOUT, env=pip_env())
+    return {"ok": code == 0, "seconds": round(time.monotonic() - started), "venv_mb": tree_size_mb(venv) if venv.exists() else 0}
+
+
+def check_registry(release: str, venv: Path, logs: Path, scratch: Path) -> dict:
+    log_file = logs / f"{release}-registry.log"
+    out_file = scratch / f"{release}-registry.json"
+    started = time.monotonic()
+    with open(out_file, "w") as out:
+        proc = subprocess.run(
+            [venv / "bin" / "python", "-c", REGISTRY_PROBE], cwd=scratch, env=test_env(),
+            stdout=out, stderr=subprocess.PIPE, text=True, timeout=REGISTRY_TIMEOUT,
+        )
+    log_file.write_text(proc.stderr)
+    result = {"seconds": round(time.monotonic() - started), "ok": False}
+    if proc.returncode != 0:
+        result["error"] = f"probe exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"
+        return result
+    probe = json.loads(out_file.read_text())
+    want = EXPECTED.expected_status(EXPECTED.release_of(probe["torch"]))
+    patches = {p["name"]: p for p in probe["report"]["patches"]}
+    mismatches = {
+        name: {"expected": status, "got": patches.get(name, {}).get("status")}
+        for name, status in want.items()
+        if patches.get(name, {}).get("status") != status
+    }
+    result.update(
+        ok=not mismatches and probe["report"]["bootstrap"] == "pth",
+        torch=probe["torch"], python=probe["python"], cuda=probe["cuda"], gloo_avg=probe["gloo_avg"],
+        bootstrap=probe["report"]["bootstrap"],
+        patches={n: {k: p.get(k) for k in ("status", "reason", "decided_by")} for n, p in patches.items()},
+        expected=want, mismatches=mismatches,
+    )
+    return result
+
+
+def junit_summary(path: Path) -> dict:
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failures = []
+    if not path.exists():
+        return {**counts, "failures": ["no junit report (pytest did not finish)"]}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if problem is not None:
+            counts["failed"] += 1
+            failures.append(f"{test_id}: {(problem.get('message') or '').splitlines()[0][:300] if problem.get('message') else ''}")
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return {**counts, "failures": failures}
+
+
+def run_tests(release: str, venv: Path, logs: Path, scratch: Path) -> dict:
+    record = scratch / f"{release}-observations.jsonl"
+    junit = scratch / f"{release}-junit.xml"
+    record.unlink(missing_ok=True)
+    started = time.monotonic()
+    code = run(
+        [venv / "bin" / "python", "-m", "pytest", "tests/unit", "tests/distributed", "-q", "-p", "no:cacheprovider",
+         f"--junitxml={junit}", "-o", "junit_logging=no"],
+        cwd=ROOT, env=test_env(record), log_file=logs / f"{release}-tests.log", timeout=TESTS_TIMEOUT,
+    )
+    observations = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    return {
+        "exit": code, "seconds": round(time.monotonic() - started),
+        **junit_summary(junit), "observations": observations,
+    }
+
+
+def bug_cells(observations: list[dict]) -> dict:
+    """``{bug: {"off": ..., "on": ..., "expected_off": ...}}`` from the tests' records."""
+    cells: dict[str, dict] = {}
+    for obs in observations:
+        cell = cells.setdefault(obs["bug"], {})
+        key = obs["plugin"]
+        # one bug can be observed by several scenarios: keep them all, in order
+        cell.setdefault(key, [])
+        if obs["outcome"] not in cell[key]:
+            cell[key].append(obs["outcome"])
+        if "expected" in obs:
+            cell[f"expected_{key}"] = obs["expected"]
+    return cells
+
+
+def test_release(release: str, venv: Path, installed: dict, logs: Path, scratch: Path, runnable: bool) -> dict:
+    result = {"release": release, "mode": "full" if runnable else "structural checks only", "install": installed}
+    if not installed["ok"]:
+        result["ok"] = False
+        result["error"] = f"install failed, see {logs / f'{release}-install.log'}"
+        return result
+    log(f"{release}: registry check")
+    result["registry"] = check_registry(release, venv, logs, scratch)
+    ok = result["registry"]["ok"]
+    if runnable:
+        log(f"{release}: unit + 2-rank distributed tests")
+        tests = run_tests(release, venv, logs, scratch)
+        tests["bugs"] = bug_cells(tests.pop("observations"))
+        result["tests"] = tests
+        ok = ok and tests["exit"] == 0 and tests["failed"] == 0
+    result["ok"] = ok
+    return result
+
+
+# --- report ------------------------------------------------------------------------------------
+
+SHORT = {"applied": "applied", "not_needed": "not needed", "disabled": "disabled", "unsupported": "UNSUPPORTED", "failed": "FAILED"}
+
+
+def status_cell(result: dict, patch: str) -> str:
+    reg = result.get("registry", {})
+    got = reg.get("patches", {}).get(patch, {}).get("status")
+    if got is None:
+        return "—"
+    text = SHORT.get(got, got)
+    return text if got == reg.get("expected", {}).get(patch) else f"**{text}** (expected {reg['expected'][patch]})"
+
+
+def bug_cell(result: dict, bug: str) -> str:
+    if "tests" not in result:
+        return "not run (no AVG on gloo)"
+    cell = result["tests"]["bugs"].get(bug)
+    if not cell:
+        return "not observed"
+    off = "; ".join(cell.get("off", ["—"]))
+    on = "; ".join(cell.get("on", ["—"]))
+    return f"off: {off}<br>on: {on}"
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [
+        f"Measured {meta['date']} on {meta['machine']} by `python3 scripts/matrix.py` "
+        f"(fsdp-autopatch {meta['plugin']}, wheel built from commit `{meta['commit']}`); "
+        f"total wall time {meta['wall_minutes']} min, largest venv {meta['max_venv_mb']} MB.",
+        "",
+        "**Registry** (status of each patch after `import torch.distributed.fsdp`, defaults on):",
+        "",
+        "| torch | Python | run | accumulated_grad_guard | unused_param_reduction | uniform_reduce_dtype | restore_unused_param_grads | tests (passed / failed / skipped) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        reg = r.get("registry", {})
+        tests = r.get("tests")
+        t = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else "—"
+        lines.append(
+            f"| {reg.get('torch', r['release'] + ' (install failed)')} | {reg.get('python', '—')} | {r['mode']} | "
+            + " | ".join(status_cell(r, p) for p in EXPECTED.PATCHES)
+            + f" | {t} |"
+        )
+    lines += [
+        "",
+        "**Bugs** (what each patch's 2-rank gloo scenario gives with the patch disabled (*off*) and with the "
+        "plugin active (*on*)):",
+        "",
+        "| torch | (a) guard | (b) unused-param reduction | (c) uniform reduce dtype | (d) restore unused grads |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        torch_version = r.get("registry", {}).get("torch", r["release"])
+        lines.append(f"| {torch_version} | " + " | ".join(bug_cell(r, b) for b in "abcd") + " |")
+    problems = [r for r in results if not r["ok"]]
+    lines += ["", "All releases match their expectations." if not problems else
+              "Releases that do NOT match: " + ", ".join(r["release"] for r in problems)]
+    return "\n".join(lines) + "\n"
+
+
+def update_docs(table: str) -> None:
+    doc = ROOT / "docs" / "compatibility.md"
+    text = doc.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+    log(f"updated {doc.relative_to(ROOT)}")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--releases", nargs="+", default=list(RELEASES), metavar="2.N", help="torch minor releases (default: all)")
+    parser.add_argument("--out", type=Path, default=ROOT / ".artifacts" / "matrix", help="results and logs (default: .artifacts/matrix)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the throwaway venvs go (default: a temporary directory)")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter the venvs are made from")
+    parser.add_argument("--keep-venvs", action="store_true", help="do not delete each venv after its release")
+    parser.add_argument("--update-docs", action="store_true", help="rewrite the measured table in docs/compatibility.md")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    out, logs = args.out, args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fsdp-matrix-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    scratch = out / "raw"
+    scratch.mkdir(exist_ok=True)
+    wheel = build_wheel(workdir / "wheel", logs / "wheel.log")
+    releases = list(args.releases)
+    results: list[dict] = []
+
+    def prepare(release: str):
+        log(f"{release}: installing torch=={release}.* into a fresh venv")
+        venv = workdir / f"venv-{release}"
+        return venv, install(release, venv, wheel, logs, args.python)
+
+    # install release i+1 while release i is tested: pip is network/disk bound, the tests CPU bound
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(prepare, releases[0])
+        for i, release in enumerate(releases):
+            venv, installed = pending.result()
+            if i + 1 < len(releases):
+                pending = pool.submit(prepare, releases[i + 1])
+            runnable = EXPECTED.release_of(release) >= EXPECTED.OLDEST_RUNNABLE
+            result = test_release(release, venv, installed, logs, scratch, runnable)
+            results.append(result)
+            log(f"{release}: {'OK' if result['ok'] else 'MISMATCH'} (venv {installed['venv_mb']} MB)")
+            if not args.keep_venvs:
+                shutil.rmtree(venv, ignore_errors=True)
+            (out / "matrix.json").write_text(json.dumps({"results": results}, indent=2))
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    meta = {
+        "date": dt.date.today().isoformat(),
+        "machine": f"{platform.machine()} Linux, {os.cpu_count()} CPUs, no GPU",
+        "plugin": wheel.name.split("-")[1],
+        "commit": git_commit(),
+        "wall_minutes": round((time.monotonic() - started) / 60, 1),
+        "max_venv_mb": max((r["install"]["venv_mb"] for r in results), default=0),
+    }
+    (out / "matrix.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    table = markdown(results, meta)
+    (out / "matrix.md").write_text(table)
+    if args.update_docs:
+        update_docs(table)
+    log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}; {meta['wall_minutes']} min")
+    bad = [r["release"] for r in results if not r["ok"]]
+    if bad:
+        log("releases that do not match their expectations: " + ", ".join(bad))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""Makes ``tests/expected.py`` (per-release expectations, stdlib only) importable as ``expected``."""
+
+import sys
+from pathlib import Path
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)

@@ -1,0 +1,83 @@
+"""What fsdp-autopatch must do on each torch release: the single source of truth for the tests
+and for the compatibility matrix (``scripts/matrix.py``).
+
+Stdlib only, so the matrix runner can read it without torch. The facts come from the wheel
+sources and from measurement (``docs/compatibility.md``, DESIGN §4):
+
+========  ===========  ================  ===========  =================================
+torch     bug (a)      set_reduce_...    bug (c)      gloo FSDP2 on CPU
+========  ===========  ================  ===========  =================================
+2.6       latent       missing           yes          no (gloo lacks ReduceOp.AVG)
+2.7       crashes      missing           yes          no
+2.8-2.12  crashes      missing           yes          yes
+2.13-2.14 crashes      torch's own       yes          yes
+2.15      gone         torch's own       gone         yes
+========  ===========  ================  ===========  =================================
+"""
+
+from __future__ import annotations
+
+PATCHES = (
+    "accumulated_grad_guard",
+    "unused_param_reduction",
+    "uniform_reduce_dtype",
+    "restore_unused_param_grads",
+)
+# The bug each patch exists for, as the docs and the matrix table name them.
+BUG_OF = {
+    "accumulated_grad_guard": "a",
+    "unused_param_reduction": "b",
+    "uniform_reduce_dtype": "c",
+    "restore_unused_param_grads": "d",
+}
+
+OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
+
+# What a test run without the plugin shows, per bug. The matrix records the measured outcome
+# next to this expectation.
+REPRODUCES = "reproduces"
+FIXED = "correct without the plugin"
+NOT_APPLICABLE = "n/a"
+
+
+def release_of(version: str) -> tuple[int, int]:
+    """``"2.13.0+cpu"`` -> ``(2, 13)``; pre-releases and local parts count as their release."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    digits = "".join(ch for ch in minor if ch.isdigit()) or "0"
+    return int(major), int(digits)
+
+
+def expected_status(release: tuple[int, int]) -> dict[str, str]:
+    """The registry status of each patch after ``import torch.distributed.fsdp``, defaults on."""
+    return {
+        # the crash path exists up to 2.14 (latent on 2.6, where the guard is harmless)
+        "accumulated_grad_guard": "applied" if release < (2, 15) else "not_needed",
+        # torch 2.13 added FSDPModule.set_reduce_scatter_unused_params itself
+        "unused_param_reduction": "applied" if release < (2, 13) else "not_needed",
+        # 2.15 removed the uniform-dtype assertion from foreach_reduce
+        "uniform_reduce_dtype": "applied" if release < (2, 15) else "not_needed",
+        # the fill exists everywhere: torch's own from 2.13, the backport before
+        "restore_unused_param_grads": "applied",
+    }
+
+
+def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
+    """What each bug's scenario gives with that bug's patch disabled (the others stay on).
+
+    (a) and (c): the upstream crash / assertion, until 2.15 removed both code paths.
+    (b): the patch exists to provide ``set_reduce_scatter_unused_params``; without it the call
+    fails before 2.13 (and ranks that use different experts mix their gradients), while from
+    2.13 torch's own method gives the right gradients.
+    (d): any unused-param fill, torch's own (>= 2.13) or the plugin's backport (< 2.13), turns
+    a never-used parameter's ``None`` into a zero gradient that AdamW then applies.
+    """
+    return {
+        "a": REPRODUCES if (2, 7) <= release < (2, 15) else FIXED,
+        "b": REPRODUCES if release < (2, 13) else FIXED,
+        "c": REPRODUCES if release < (2, 15) else FIXED,
+        "d": REPRODUCES,
+    }
+
+
+def has_native_unused_param_api(release: tuple[int, int]) -> bool:
+    return release >= (2, 13)
