@@ -129,7 +129,7 @@ def test_env(record: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_")}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1")
     if record is not None:
-        env["FSDP_AUTOPATCH_MATRIX_RECORD"] = str(record)
+        env["FSDP_MATRIX_RECORD"] = str(record)
     return env
 
 

@@ -34,11 +34,11 @@ BF16_REL = 2e-2  # measured max 7.7e-3 (tower.0.weight, image_last)
 def observe(bug: str, plugin: str, outcome: str, detail: str) -> None:
     """Record what a scenario showed: ``plugin`` is "off" (the bug's patch disabled) or "on".
 
-    Written as one JSON line to ``$FSDP_AUTOPATCH_MATRIX_RECORD`` when the matrix runner sets
+    Written as one JSON line to ``$FSDP_MATRIX_RECORD`` when the matrix runner sets
     it; a no-op otherwise. "off" records are written before the test asserts, so a torch that
     surprises us still shows up in the table.
     """
-    path = os.environ.get("FSDP_AUTOPATCH_MATRIX_RECORD")
+    path = os.environ.get("FSDP_MATRIX_RECORD")
     if not path:
         return
     record = {"bug": bug, "plugin": plugin, "outcome": f"{outcome}: {detail}" if detail else outcome}
