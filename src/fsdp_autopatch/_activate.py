@@ -39,6 +39,7 @@ def activate(module: Any = None) -> None:
         for patch in patches:
             _apply_isolated(patch, settings)
         _apply_policies(settings)
+        _apply_cross_rank_check(settings)
 
 
 def _read_settings_safely() -> Settings:
@@ -112,6 +113,19 @@ def _apply_policies(settings: Settings) -> None:
             raise
 
 
+def _apply_cross_rank_check(settings: Settings) -> None:
+    """Every rank of a process group must run the same patches (see ``_consistency``)."""
+    if not settings.cross_rank_check:
+        return
+    from . import _consistency
+
+    try:
+        REGISTRY.record_policy(_consistency.NAME, _consistency.apply())
+    except Exception as error:  # the check is a safety net: never a reason for import torch to fail
+        REGISTRY.record_policy(_consistency.NAME, f"not armed: {type(error).__name__}: {error}")
+        logger.debug("cross-rank check not armed", exc_info=True)
+
+
 def _record(name: str, status: PatchStatus, reason: str, verdict: Any = None) -> None:
     decided_by = verdict.decided_by if verdict is not None else ""
     if decided_by:
@@ -148,9 +162,11 @@ def _configure_logging(settings: Settings) -> None:
 
 def revert_all() -> None:
     """Undo every patch and policy and mark them pending again (tests)."""
+    from . import _consistency
     from .patches import load_patches, unused_param_reduction
 
     with _lock:
+        _consistency.revert()
         unused_param_reduction.revert_default_on_policy()
         for patch in reversed(load_patches()):
             patch.revert()

@@ -22,6 +22,7 @@ DISABLED_LIST = "FSDP_AUTOPATCH_DISABLED"
 STRICT = "FSDP_AUTOPATCH_STRICT"
 LOG_LEVEL = "FSDP_AUTOPATCH_LOG_LEVEL"
 REDUCE_SCATTER_UNUSED_PARAMS = "FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS"
+CROSS_RANK_CHECK = "FSDP_AUTOPATCH_CROSS_RANK_CHECK"
 
 # Kept here (not imported from .patches) so that the bootstrap and the registry can name the
 # patches without importing any patch code. The order is the order in which they are applied.
@@ -98,6 +99,7 @@ class Settings:
         strict: bool = False,
         log_level: str | None = None,
         reduce_scatter_unused_params: bool = False,
+        cross_rank_check: bool = True,
     ) -> None:
         self.enabled = enabled
         # patch name -> (enabled?, why: the variable and value that decided, or "default")
@@ -105,6 +107,7 @@ class Settings:
         self.strict = strict
         self.log_level = log_level
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
+        self.cross_rank_check = cross_rank_check
 
     def __repr__(self) -> str:
         return f"Settings({self.__dict__!r})"
@@ -130,6 +133,7 @@ def read_settings(
         strict=_read_bool(environ, STRICT, False, warn),
         log_level=_read_log_level(environ, warn),
         reduce_scatter_unused_params=_read_bool(environ, REDUCE_SCATTER_UNUSED_PARAMS, False, warn),
+        cross_rank_check=_read_bool(environ, CROSS_RANK_CHECK, True, warn),
     )
 
 
@@ -194,7 +198,7 @@ def _read_log_level(environ, warn) -> str | None:
 
 def _known_variables() -> frozenset[str]:
     return frozenset(
-        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, REDUCE_SCATTER_UNUSED_PARAMS}
+        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, REDUCE_SCATTER_UNUSED_PARAMS, CROSS_RANK_CHECK}
         | {patch_env_var(name) for name in PATCH_NAMES}
     )
 

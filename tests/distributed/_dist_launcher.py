@@ -166,8 +166,11 @@ def run_ranks(
     world_size: int = WORLD_SIZE,
     timeout: float = DEFAULT_TIMEOUT_S,
     script: Path | str = SCENARIOS,
+    rank_env: dict[int, dict[str, str]] | None = None,
 ) -> RunResult:
     """Run ``scenario`` on ``world_size`` ranks; never hangs longer than ``timeout``.
+
+    ``rank_env`` adds variables to single ranks only (a node whose environment differs).
 
     A job whose rendezvous port was taken in the meantime (other jobs run on this machine
     too) is run once more on a new port.
@@ -175,7 +178,7 @@ def run_ranks(
     args = dict(args or {})
     env = dict(env or {})
     for attempt in range(2):
-        run = _run_once(scenario, args, env, world_size, timeout, Path(script))
+        run = _run_once(scenario, args, env, world_size, timeout, Path(script), rank_env or {})
         if attempt or run.timed_out or not any(_port_taken(r) for r in run.ranks):
             return run
     return run  # pragma: no cover
@@ -193,6 +196,7 @@ def _run_once(
     world_size: int,
     timeout: float,
     script: Path,
+    rank_env: dict[int, dict[str, str]],
 ) -> RunResult:
     tmp = Path(tempfile.mkdtemp(prefix=f"fsdp_dist_{scenario}_"))
     port = free_port()
@@ -202,8 +206,8 @@ def _run_once(
     timed_out = False
     try:
         for rank in range(world_size):
-            rank_env = base_env(env)
-            rank_env.update(
+            env_of_rank = base_env({**env, **rank_env.get(rank, {})})
+            env_of_rank.update(
                 MASTER_PORT=str(port),
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
@@ -221,7 +225,7 @@ def _run_once(
                         str(tmp / f"rank{rank}.pt"),
                         json.dumps(args),
                     ],
-                    env=rank_env,
+                    env=env_of_rank,
                     cwd=str(tmp),
                     stdin=subprocess.DEVNULL,
                     stdout=out,

@@ -559,6 +559,39 @@ def sc_no_change(ctx: Ctx) -> None:
             rec["steps_after"] = adam_steps(model, opt)
 
 
+def sc_cross_rank(ctx: Ctx) -> None:
+    """Two models on the same process group, two steps each: the check runs once per group.
+
+    ``checks`` counts the store comparisons this rank made (``_compare_through_store``).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    calls = [0]
+    try:
+        import fsdp_autopatch._consistency as consistency
+    except ImportError:
+        consistency = None
+    if consistency is not None:
+        compare = consistency._compare_through_store
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return compare(*args, **kwargs)
+
+        consistency._compare_through_store = counted
+    for name in ("first_model", "second_model"):
+        with ctx.case(name) as rec:
+            model = build_model("mlp")
+            for b in model.blocks:
+                fully_shard(b, mesh=ctx.mesh)
+            fully_shard(model, mesh=ctx.mesh)
+            rec["init_params"] = params_local(model)
+            for step in range(2):
+                _run_step(ctx, model, plan_mlp, step=step, n_mb=1, accumulate=False)
+            rec["checks"] = calls[0]
+            rec["grads"] = grads_local(model)
+
+
 def sc_restore_hsdp_window(ctx: Ctx) -> None:
     """HSDP mesh (2 replicas x 1 shard), fill on, all-reduce deferred on the first micro-batch.
 
@@ -634,6 +667,7 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "no_change": sc_no_change,
     "restore_hsdp_window": sc_restore_hsdp_window,
     "restore_collectives": sc_restore_collectives,
+    "cross_rank": sc_cross_rank,
 }
 
 

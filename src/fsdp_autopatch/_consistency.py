@@ -1,0 +1,169 @@
+"""Cross-rank check: every rank of a process group must run the same patches.
+
+Why
+    The patches change which collectives a rank issues: ``restore_unused_param_grads`` adds an
+    all-reduce per backward, the unused-param fill changes what a rank reduce-scatters. If one
+    node's environment differs (a patch switched off there, another torch, the plugin missing),
+    its ranks issue other collectives than their peers: NCCL hangs until its timeout, gloo aborts,
+    or gradients are silently mixed. This check turns that into an immediate, explicit error.
+
+What
+    Once per process group FSDP2 reduces over (each unit's shard group and, for HSDP, its
+    replicate group), at the root's lazy initialization (its first forward, before any FSDP2
+    collective), every rank compares a fingerprint of its plugin state (fsdp-autopatch and torch
+    versions, each patch's status, the policies) with its peers'. The comparison goes through
+    the job's c10d store, not through a collective on the group: a peer without the plugin runs
+    no check, and a collective would pair with that peer's first all-gather instead.
+
+    Happy path: per rank, one ``set`` and three ``add`` calls and one ``wait`` on the store,
+    i.e. O(world size) store operations for the whole job, whatever its size; no tensor
+    collective, nothing per step. Only on a mismatch does each rank read its peers' fingerprints
+    to name the ranks and patches that differ.
+
+Errors
+    ``RuntimeError`` on every rank of the group, from the first forward:
+    * "ranks disagree": lists each differing item (e.g. ``restore_unused_param_grads``) with the
+      ranks on each side;
+    * "never reported": ranks that did not reach the check within the store's timeout (which
+      ``init_process_group`` sets to the process group timeout), i.e. where fsdp-autopatch is not
+      active (``FSDP_AUTOPATCH_ENABLED=0``, not installed in that environment, ``python -S``).
+
+Disable with ``FSDP_AUTOPATCH_CROSS_RANK_CHECK=0`` (every rank: a rank that still checks waits
+for the others until the timeout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+from . import _compat
+from ._registry import REGISTRY
+
+NAME = "cross_rank_check"
+_CHECKED = "_fsdp_autopatch_cross_rank_checked"  # FSDPState attribute: this root was checked
+_KEY_PREFIX = "fsdp_autopatch/cross_rank_check"
+_MAX_RANKS_SHOWN = 8
+
+logger = logging.getLogger("fsdp_autopatch")
+_checked_groups: dict[str, Any] = {}  # group name -> group: each process group is checked once
+
+
+def fingerprint() -> dict[str, str]:
+    """What must be equal on every rank: the registry, minus the free-text reasons."""
+    report = REGISTRY.snapshot()
+    items = {"fsdp-autopatch": report.version, "torch": str(report.torch)}
+    items.update({record.name: record.status.value for record in report.patches})
+    items.update({f"policy {name}": "on" for name in sorted(report.policies)})
+    return items
+
+
+def apply() -> str:
+    state_cls = _compat.fsdp_module("_fsdp_state").FSDPState
+    lazy_init = _compat.class_attr(state_cls, "_lazy_init")
+    if lazy_init is None:
+        raise AttributeError("FSDPState._lazy_init not found")
+    _compat.replace_all(NAME, [(state_cls, "_lazy_init", _compat.wrap(lazy_init, _check_after_lazy_init))])
+    return "once per process group at the root's first forward (FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 turns it off)"
+
+
+def revert() -> None:
+    _compat.revert(NAME)
+    _checked_groups.clear()
+
+
+def _check_after_lazy_init(wrapped, state, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    # _lazy_init runs before every forward and returns at once after the first: stay as cheap.
+    if state._is_root and not vars(state).get(_CHECKED):
+        setattr(state, _CHECKED, True)
+        for group in _process_groups(state):
+            check_group(group)
+    return result
+
+
+def _process_groups(root_state: Any) -> list[Any]:
+    """The process groups FSDP2 reduces over for this root: shard groups and HSDP replicate groups."""
+    groups: list[Any] = []
+    for state in root_state._state_ctx.all_states:
+        for param_group in _compat.state_param_groups(state):
+            mesh_info = param_group.mesh_info
+            for attribute in ("shard_process_group", "replicate_process_group"):
+                group = getattr(mesh_info, attribute, None)
+                if group is not None and all(group is not g for g in groups):
+                    groups.append(group)
+    return groups
+
+
+def check_group(group: Any) -> None:
+    """Compare this rank's fingerprint with every other rank of ``group``; raise on a difference."""
+    import torch.distributed as dist
+
+    ranks = list(dist.get_process_group_ranks(group))
+    if len(ranks) < 2:
+        return
+    name = str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
+    if name in _checked_groups:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception as error:  # no default store (unusual init): nothing to compare through
+        logger.debug("cross-rank check skipped for group %s: %s", name, error)
+        return
+    _checked_groups[name] = group
+    _compare_through_store(store, f"{_KEY_PREFIX}/{name}", dist.get_rank(), ranks, fingerprint())
+
+
+def _digest(items: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _compare_through_store(store: Any, prefix: str, rank: int, ranks: list[int], items: dict[str, str]) -> None:
+    """The store protocol: count the ranks that share this rank's digest once all have arrived."""
+    digest = _digest(items)
+    store.set(f"{prefix}/fingerprint/{rank}", json.dumps(items, sort_keys=True))
+    store.add(f"{prefix}/digest/{digest}", 1)
+    if store.add(f"{prefix}/arrived", 1) == len(ranks):
+        store.set(f"{prefix}/complete", "1")  # the last rank to arrive releases everyone
+    try:
+        store.wait([f"{prefix}/complete"])  # the store's timeout: the process group's
+    except Exception as error:
+        silent = [r for r in ranks if not store.check([f"{prefix}/fingerprint/{r}"])]
+        raise RuntimeError(
+            f"fsdp-autopatch cross-rank check: {_ranks(silent)} of process group {prefix.rsplit('/', 1)[-1]} "
+            f"never reported their patches ({type(error).__name__}: {error}). fsdp-autopatch is probably not "
+            "active there (FSDP_AUTOPATCH_ENABLED=0, not installed in that environment, or python -S), so those "
+            "ranks would issue different collectives. Run every rank in the same environment, or set "
+            "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
+        ) from None
+    if store.add(f"{prefix}/digest/{digest}", 0) == len(ranks):
+        return
+    peers = {r: json.loads(store.get(f"{prefix}/fingerprint/{r}")) for r in ranks}
+    raise RuntimeError(
+        f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
+        f"{prefix.rsplit('/', 1)[-1]}, so they would issue different collectives: {describe_differences(peers)}. "
+        "Give every rank the same FSDP_AUTOPATCH_* environment and the same torch, or set "
+        "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
+    )
+
+
+def describe_differences(peers: dict[int, dict[str, str]]) -> str:
+    """``restore_unused_param_grads: applied on rank 0, disabled on rank 1; ...``"""
+    keys = sorted({key for items in peers.values() for key in items})
+    parts = []
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for rank, items in sorted(peers.items()):
+            by_value.setdefault(items.get(key, "missing"), []).append(rank)
+        if len(by_value) > 1:
+            sides = ", ".join(f"{value} on {_ranks(ranks)}" for value, ranks in by_value.items())
+            parts.append(f"{key}: {sides}")
+    return "; ".join(parts)
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:_MAX_RANKS_SHOWN]))
+    more = f" and {len(ranks) - _MAX_RANKS_SHOWN} more" if len(ranks) > _MAX_RANKS_SHOWN else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
