@@ -63,21 +63,27 @@ def decide(structural: Verdict, version: Version | None, affected: SpecifierSet,
     if structural.status == "unsupported":
         return Verdict("unsupported", f"{where}: {structural.reason}", STRUCTURE)
     if version is None or version not in MEASURED_RELEASES:
-        note = f"outside the measured releases {MEASURED_RELEASES}"
+        note = f"outside the measured releases {range_text(MEASURED_RELEASES)}"
         return Verdict(structural.status, f"{where}: {structural.reason} ({note})", STRUCTURE)
     has_bug = version in affected
+    known = f"{bug}: torch {range_text(affected)}"
     if has_bug == (structural.status == "needed"):
-        range_note = f"{bug} affects torch {affected}"
-        return Verdict(structural.status, f"{where}: {structural.reason}; {range_note}", VERSION_AND_STRUCTURE)
+        return Verdict(
+            structural.status, f"{where}: {structural.reason}; the version range agrees ({known})", VERSION_AND_STRUCTURE
+        )
     if structural.status == "needed":
-        note = f"the version range ({bug} in torch {affected}) does not include it"
-        return Verdict("needed", f"{where}: {structural.reason}, although {note}", STRUCTURE)
+        return Verdict("needed", f"{where}: {structural.reason}, outside the version range ({known})", STRUCTURE)
     return Verdict(
         "unsupported",
-        f"{where}: {structural.reason}, but {bug} is expected in torch {affected}: this build differs "
-        "from the measured release, torch left untouched",
+        f"{where}: {structural.reason}, inside the version range ({known}): this build differs from the "
+        "measured release, torch left untouched",
         STRUCTURE,
     )
+
+
+def range_text(specifiers: SpecifierSet) -> str:
+    """``>=2.6, <2.15`` (lower bound first; SpecifierSet's own str sorts ``<`` first)."""
+    return ", ".join(sorted((str(s) for s in specifiers), key=lambda s: (not s.startswith(">"), s)))
 
 
 # --- torch version ---------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def check() -> _compat.Verdict:
             f"{_compat.describe(_compat.torch_release())} has no unused-param fill to undo "
             "(no FSDPModule.set_reduce_scatter_unused_params, and the backport is not applied)"
         )
-    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "a fill that turns None into zero")
+    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "zero gradients from the fill")
 
 
 def _structural_check() -> _compat.Verdict:

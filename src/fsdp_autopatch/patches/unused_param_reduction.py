@@ -72,7 +72,7 @@ def has_native_api() -> bool:
 
 def check() -> _compat.Verdict:
     return _compat.decide(
-        _structural_check(), _compat.torch_release(), AFFECTED, f"the missing FSDPModule.{_METHOD}"
+        _structural_check(), _compat.torch_release(), AFFECTED, f"no FSDPModule.{_METHOD}"
     )
 
 
