@@ -71,9 +71,12 @@ def has_native_api() -> bool:
 
 
 def check() -> _compat.Verdict:
-    return _compat.decide(
-        _structural_check(), _compat.torch_release(), AFFECTED, f"no FSDPModule.{_METHOD}"
-    )
+    structural = _structural_check()
+    verdict = _compat.decide(structural, _compat.torch_release(), AFFECTED, f"no FSDPModule.{_METHOD}")
+    if structural.status == "not_needed" and verdict.status == "unsupported":
+        # torch's own method is conclusive, whatever the version says (a vendor backport)
+        return structural._replace(reason=f"{verdict.reason.split(':', 1)[0]}: {structural.reason}")
+    return verdict
 
 
 def _structural_check() -> _compat.Verdict:
