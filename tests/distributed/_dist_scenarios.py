@@ -684,6 +684,9 @@ def main() -> None:
         timeout = int(os.environ.get("FSDP_DIST_PG_TIMEOUT_S", "30"))
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
         ctx.mesh = init_device_mesh("cpu", (ctx.world_size,))
+        ctx.data["gloo_avg_sums"] = _gloo_reduce_scatter_avg_sums()
+        if ctx.data["gloo_avg_sums"]:
+            _force_sum_reduction_in_fully_shard()
         SCENARIOS[name](ctx)
     except BaseException as e:  # noqa: BLE001 - record everything, then leave
         ctx.data["error"] = _error_record(e)
@@ -697,6 +700,41 @@ def main() -> None:
         # No destroy_process_group / interpreter teardown: a peer may be wedged in a
         # collective, and this rank must not wait for it.
         os._exit(code)
+
+
+def _gloo_reduce_scatter_avg_sums() -> bool:
+    """Whether this torch's gloo reduce-scatter ignores ``ReduceOp.AVG`` and sums.
+
+    torch 2.8 does (PyTorch issue 162338): FSDP2 reduce-scatters fp32/bf16 gradients with AVG,
+    so on gloo every gradient comes out multiplied by the world size, with or without this
+    plugin. Probed with one tiny collective rather than guessed from the version.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    inp = torch.full((world,), float(dist.get_rank() + 1))
+    out = torch.empty(1)
+    dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG)
+    mean = (world + 1) / 2
+    return not torch.allclose(out, torch.tensor([mean]))
+
+
+def _force_sum_reduction_in_fully_shard() -> None:
+    """Work around the gloo AVG bug the way a user would: every ``fully_shard`` unit gets
+    ``set_force_sum_reduction_for_comms(True)`` (SUM, then FSDP2 divides by the world size).
+    The scenarios import ``fully_shard`` from ``torch.distributed.fsdp`` when they run, so they
+    all get this wrapper."""
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+
+    def fully_shard(module, *args, **kwargs):
+        result = original(module, *args, **kwargs)
+        for m in result if isinstance(result, list) else [result]:
+            m.set_force_sum_reduction_for_comms(True)
+        return result
+
+    fsdp.fully_shard = fully_shard
 
 
 def _has_public_api() -> bool | None:
