@@ -1,4 +1,4 @@
-"""``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [--json]`` and ``demo``."""
+"""``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [--json]``, ``doctor [--json]`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in (None, "status"):
         return _status(as_json=getattr(args, "json", False))
+    if args.command == "doctor":
+        from . import _doctor
+
+        return _doctor.main(as_json=args.json)
     parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse catches it
     return 2
 
@@ -28,13 +32,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-autopatch",
-        description="Automatic fixes for four PyTorch FSDP2 bugs: inspect them, or run the demo.",
+        description="Automatic fixes for four PyTorch FSDP2 bugs: inspect them, diagnose the set-up, or run the demo.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{status,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{status,doctor,demo}")
     status = commands.add_parser(
         "status", help="import torch's FSDP2 and show which patches applied here, and why"
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor = commands.add_parser(
+        "doctor",
+        help="explain whether runs started like this one are protected, and what to do if not "
+        "(exit status 1 when they are not)",
+    )
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
     commands.add_parser(
         "demo",
         help="train a tiny vision-language MoE on 2 CPU ranks that hits all four bugs "

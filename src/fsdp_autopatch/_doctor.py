@@ -1,0 +1,224 @@
+"""``fsdp-autopatch doctor``: would a run started like this one be protected, and if not, why.
+
+It looks at this interpreter and this process: whether the start-up file is where this
+interpreter reads it, whether the bootstrap ran here (and why not: ``-S``, the kill switch,
+another environment), which ``FSDP_AUTOPATCH_*`` variables are set and which are malformed,
+torch's version and what each patch does with it. Every problem comes with one suggested action.
+Exit status 1 when the plugin would not protect a run started the same way (same interpreter,
+same flags, same environment), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any, NamedTuple
+
+from . import _bootstrap
+from ._config import KILL_SWITCH, PREFIX, ConfigWarning, read_settings
+from ._registry import HOOK_TARGET, REGISTRY, PatchStatus
+
+PTH_NAME = "fsdp_autopatch.pth"
+START_NAME = "fsdp_autopatch.start"
+
+OK, WARNING, PROBLEM = "ok", "warning", "problem"
+
+
+class Finding(NamedTuple):
+    check: str  # what was looked at: "startup file", "bootstrap", "environment", "torch", a patch name
+    level: str  # ok, warning (named, still protected) or problem (not protected)
+    message: str
+    action: str = ""  # what to do about it; empty when there is nothing to do
+
+    def to_dict(self) -> dict[str, str]:
+        return self._asdict()
+
+
+def diagnose() -> list[Finding]:
+    """Every finding, in the order a user would fix them."""
+    findings = [_startup_file(), _bootstrap_ran()]
+    findings += _environment()
+    findings += _torch_and_patches()
+    return findings
+
+
+def main(as_json: bool = False) -> int:
+    findings = diagnose()
+    protected = not any(f.level == PROBLEM for f in findings)
+    if as_json:
+        report = {
+            "protected": protected,
+            "python": sys.executable,
+            "python_version": sys.version.split()[0],
+            "findings": [f.to_dict() for f in findings],
+            "status": REGISTRY.snapshot().to_dict(),
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_findings(findings, protected))
+    return 0 if protected else 1
+
+
+def format_findings(findings: list[Finding], protected: bool) -> str:
+    lines = [f"fsdp-autopatch doctor: Python {sys.version.split()[0]} at {sys.executable}", ""]
+    for finding in findings:
+        lines.append(f"[{finding.level}] {finding.check}: {finding.message}")
+        if finding.action:
+            lines.append(f"    -> {finding.action}")
+    problems = sum(f.level == PROBLEM for f in findings)
+    lines.append("")
+    lines.append(
+        "verdict: runs started like this one are protected"
+        if protected
+        else f"verdict: NOT protected ({problems} problem{'s' if problems != 1 else ''} above)"
+    )
+    return "\n".join(lines)
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def site_directories() -> list[str]:
+    """The directories whose ``.pth`` files this interpreter runs at start-up (when ``site`` runs)."""
+    import site
+
+    # Under -S, site never ran its venv detection: find the venv from pyvenv.cfg ourselves.
+    prefix = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    prefixes = [prefix] if os.path.isfile(os.path.join(prefix, "pyvenv.cfg")) else None
+    directories = list(site.getsitepackages(prefixes))
+    if site.ENABLE_USER_SITE is not False and not sys.flags.no_user_site:
+        directories.append(site.getusersitepackages())
+    return directories
+
+
+def _startup_file() -> Finding:
+    directories = site_directories()
+    found = [d for d in directories if os.path.isfile(os.path.join(d, PTH_NAME))]
+    if found:
+        path = os.path.join(found[0], PTH_NAME)
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        if "fsdp_autopatch._bootstrap" not in text:
+            return Finding(
+                "startup file", PROBLEM, f"{path} does not start fsdp_autopatch's bootstrap",
+                f"reinstall: {sys.executable} -m pip install --force-reinstall fsdp-autopatch",
+            )
+        if sys.flags.no_site:
+            return Finding("startup file", OK, f"{path} (installed, but python -S does not run it)")
+        return Finding("startup file", OK, f"{path} (this interpreter runs it at start-up)")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return Finding(
+        "startup file",
+        PROBLEM,
+        f"not installed in this interpreter: no {PTH_NAME} in {', '.join(directories) or 'any site directory'} "
+        f"(fsdp_autopatch itself was imported from {here})",
+        f"install it into this interpreter: {sys.executable} -m pip install fsdp-autopatch",
+    )
+
+
+def _bootstrap_ran() -> Finding:
+    if _bootstrap.disabled_at_start is not None:
+        return Finding(
+            "bootstrap", PROBLEM,
+            f"ran, but {KILL_SWITCH}={_bootstrap.disabled_at_start.strip()} at interpreter start: nothing is armed",
+            f"unset {KILL_SWITCH} (or set it to 1)",
+        )
+    if _bootstrap.source in ("pth", "start"):
+        return Finding("bootstrap", OK, f"ran at interpreter start (from the .{_bootstrap.source} file)")
+    if _bootstrap.source == "explicit":
+        return Finding("bootstrap", OK, "armed by an explicit fsdp_autopatch.install()")
+    if sys.flags.no_site:
+        return Finding(
+            "bootstrap", PROBLEM, "did not run: python -S skips site-packages and its .pth files",
+            "drop -S, or call fsdp_autopatch.install() at the top of the training script",
+        )
+    return Finding(
+        "bootstrap", PROBLEM,
+        "did not run: this interpreter's site-packages has no fsdp_autopatch.pth (another environment?)",
+        f"install fsdp-autopatch into the environment of {sys.executable}",
+    )
+
+
+def _environment() -> list[Finding]:
+    variables = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+    warnings: list[tuple[str, str]] = []
+    settings = read_settings(os.environ, warn=lambda variable, message: warnings.append((variable, message)))
+    findings = []
+    if variables:
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(variables.items()))
+        findings.append(Finding("environment", OK, f"set: {shown}"))
+    else:
+        findings.append(Finding("environment", OK, "no FSDP_AUTOPATCH_* variable set: defaults"))
+    for variable, message in warnings:
+        findings.append(Finding(
+            "environment", WARNING, message, f"fix or unset {variable}"
+        ))
+    if not settings.enabled and _bootstrap.disabled_at_start is None:
+        findings.append(Finding(
+            "environment", PROBLEM, f"{KILL_SWITCH}={os.environ.get(KILL_SWITCH)!r} turns every patch off",
+            f"unset {KILL_SWITCH}",
+        ))
+    return findings
+
+
+def _torch_and_patches() -> list[Finding]:
+    version = _installed_torch_version()
+    if version is None:
+        return [Finding(
+            "torch", PROBLEM, "torch is not installed in this interpreter: nothing to protect",
+            f"{sys.executable} -m pip install torch",
+        )]
+    error = _import_fsdp2()
+    if error is not None:
+        return [Finding("torch", PROBLEM, f"torch {version}: {error}", "use torch >= 2.6 (FSDP2); see docs/compatibility.md")]
+    findings = [Finding("torch", OK, f"torch {version}, FSDP2 at {HOOK_TARGET}")]
+    report = REGISTRY.snapshot()
+    for record in report.patches:
+        findings.append(_patch_finding(record))
+    return findings
+
+
+def _patch_finding(record: Any) -> Finding:
+    status = record.status
+    if status in (PatchStatus.APPLIED, PatchStatus.NOT_NEEDED):
+        return Finding(record.name, OK, f"{status.value}: {record.reason}")
+    if status is PatchStatus.DISABLED:
+        return Finding(record.name, WARNING, f"disabled: {record.reason}", f"unset or set {record.env}=1 to turn it on")
+    if status is PatchStatus.UNSUPPORTED:
+        return Finding(
+            record.name, PROBLEM, f"unsupported on this torch, not protected: {record.reason}",
+            "use a torch release from docs/compatibility.md, or report the torch build",
+        )
+    if status is PatchStatus.FAILED:
+        return Finding(record.name, PROBLEM, f"failed: {record.reason}", "report this with `fsdp-autopatch doctor --json`")
+    return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
+
+
+def _installed_torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(getattr(torch, "__version__", "unknown"))
+
+
+def _import_fsdp2() -> str | None:
+    """Import torch's FSDP2 so the registry holds real answers; evaluate the patches even when the
+    bootstrap did not arm them, so the user learns what they would do. None on success."""
+    try:
+        with warnings.catch_warnings():  # the environment findings already name bad values
+            warnings.simplefilter("ignore", ConfigWarning)
+            import torch.distributed.fsdp  # noqa: F401
+    except Exception as error:
+        return f"torch.distributed.fsdp cannot be imported ({type(error).__name__}: {error})"
+    if HOOK_TARGET not in sys.modules:
+        return f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)"
+    if all(r.status is PatchStatus.PENDING for r in REGISTRY.snapshot().patches) and _bootstrap.disabled_at_start is None:
+        from ._activate import activate
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigWarning)
+            activate(sys.modules[HOOK_TARGET])  # what the patches would do had the bootstrap run
+    return None
