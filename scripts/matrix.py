@@ -262,14 +262,16 @@ def status_cell(result: dict, patch: str) -> str:
 
 
 def bug_cell(result: dict, bug: str) -> str:
+    """``off: reproduces (the symptom) ✓ · on: correct``; ✓ / ✗: the *off* outcome against tests/expected.py."""
     if "tests" not in result:
-        return "not run (no AVG on gloo)"
+        return "not run (gloo lacks AVG)"
     cell = result["tests"]["bugs"].get(bug)
     if not cell:
         return "not observed"
     off = "; ".join(cell.get("off", ["—"]))
-    on = "; ".join(cell.get("on", ["—"]))
-    return f"off: {off}<br>on: {on}"
+    mark = "" if "expected_off" not in cell else (" ✓" if off.startswith(cell["expected_off"]) else f" ✗ (expected {cell['expected_off']})")
+    on = "correct" if cell.get("on") and all(o.startswith("correct") for o in cell["on"]) else "; ".join(cell.get("on", ["—"]))
+    return f"off: {off}{mark}<br>on: {on}"
 
 
 def markdown(results: list[dict], meta: dict) -> str:
@@ -294,8 +296,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         )
     lines += [
         "",
-        "**Bugs** (what each patch's 2-rank gloo scenario gives with the patch disabled (*off*) and with the "
-        "plugin active (*on*)):",
+        "**Bugs** (what each patch's 2-rank gloo scenario gives with that patch disabled (*off*; ✓: as "
+        "`tests/expected.py` says for the release) and with the plugin active (*on*; *correct*: the values "
+        "equal a single-process reference, `grad is None` and weights unchanged where they must be)):",
         "",
         "| torch | (a) guard | (b) unused-param reduction | (c) uniform reduce dtype | (d) restore unused grads |",
         "|---|---|---|---|---|",
@@ -303,6 +306,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     for r in results:
         torch_version = r.get("registry", {}).get("torch", r["release"])
         lines.append(f"| {torch_version} | " + " | ".join(bug_cell(r, b) for b in "abcd") + " |")
+    for r in results:
+        for text in r.get("tests", {}).get("bugs", {}).get("note", {}).get("on", []):
+            lines += ["", f"Note on torch {r.get('registry', {}).get('torch', r['release'])}: {text}"]
     problems = [r for r in results if not r["ok"]]
     lines += ["", "All releases match their expectations." if not problems else
               "Releases that do NOT match: " + ", ".join(r["release"] for r in problems)]
