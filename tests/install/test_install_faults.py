@@ -15,6 +15,8 @@ re-sign torch internals before our hook on ``torch.distributed.fsdp._fully_shard
 module's ``PATCH.apply`` is replaced by one that raises. The fast fake-torch variants of these
 cases: ``tests/unit/test_fault_injection.py``.
 
+The single-process torch cases of the three big groups (internals, a patch raising, malformed
+values) run two at a time in one module fixture (``batch``); the tests check the results.
 Every child is bounded (``_install_support.run``: own process group, killed on timeout, a timeout
 is a failure with the output so far); children that may hang also arm ``faulthandler`` so that a
 hang prints every thread's stack before the watchdog exits.
@@ -29,6 +31,7 @@ import json
 import subprocess
 import textwrap
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -231,6 +234,22 @@ def test_wrapt_broken(torch_venv: Venv, tmp_path: Path, variant: str) -> None:
     assert_patched_as_registered(data)
 
 
+# --- the single-process torch cases below, run two at a time -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def batch(torch_venv: Venv) -> dict:
+    """Every parametrized case of the three groups below (internals renamed, a patch raising in
+    apply, malformed values), each one fresh interpreter importing torch's FSDP2, two at a time
+    (2 cores; an import is seconds of CPU and file system). The tests only read the results."""
+    cases = {f"internals:{fault}": (program(pre=inject_after(f[0], f[1])), f[2]) for fault, f in INTERNALS.items()}
+    cases.update({f"raise:{n}:{s}": raising_program(n, s) for n in PATCH_NAMES for s in (False, True)})
+    cases.update({f"malformed:{case}": (program(), c[0]) for case, c in MALFORMED.items()})
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each child is bounded by run()'s timeout
+        futures = {key: pool.submit(py, torch_venv, code, env=env) for key, (code, env) in cases.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
 # --- the internals a patch wraps renamed, or with another signature ------------------------------
 
 # Each fault: (the FSDP2 submodule whose import it follows, its code, the env, expected statuses,
@@ -326,10 +345,9 @@ def inject_after(submodule: str, body: str) -> str:
 
 
 @pytest.mark.parametrize("fault", list(INTERNALS))
-def test_internals_renamed_or_resigned(torch_venv: Venv, fault: str) -> None:
-    submodule, body, env, expected, missing, why = INTERNALS[fault]
-    result = py(torch_venv, program(pre=inject_after(submodule, body)), env=env, timeout=T_TORCH)
-    data = result_of(result)
+def test_internals_renamed_or_resigned(batch: dict, fault: str) -> None:
+    _, _, env, expected, missing, why = INTERNALS[fault]
+    data = result_of(batch[f"internals:{fault}"])
     assert data["error"] is None
     report = data["report"]
     assert report["bootstrap"] == "pth"
@@ -353,9 +371,7 @@ _patch_module.PATCH = _patch_module.PATCH._replace(apply=_boom)
 """
 
 
-@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
-@pytest.mark.parametrize("name", PATCH_NAMES)
-def test_patch_raises_during_apply(torch_venv: Venv, name: str, strict: bool) -> None:
+def raising_program(name: str, strict: bool) -> tuple[str, dict]:
     if name == "unused_param_reduction":
         # not needed on torch 2.13 (never applied): make it needed by hiding torch's own method
         pre = inject_after(
@@ -369,8 +385,13 @@ def test_patch_raises_during_apply(torch_venv: Venv, name: str, strict: bool) ->
     else:
         pre = ""
     pre += RAISE_IN_APPLY.format(name=name)
-    env = {"FSDP_AUTOPATCH_STRICT": "1"} if strict else {}
-    data = result_of(py(torch_venv, program(pre=pre), env=env, timeout=T_TORCH))
+    return program(pre=pre), ({"FSDP_AUTOPATCH_STRICT": "1"} if strict else {})
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("name", PATCH_NAMES)
+def test_patch_raises_during_apply(batch: dict, name: str, strict: bool) -> None:
+    data = result_of(batch[f"raise:{name}:{strict}"])
     report = data["report"]
     message = f"RuntimeError: injected failure in {name}.apply"
     got = statuses(report)
@@ -552,9 +573,9 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
-def test_malformed_values_with_real_torch(torch_venv: Venv, case: str) -> None:
+def test_malformed_values_with_real_torch(batch: dict, case: str) -> None:
     env, expected, warning_count = MALFORMED[case]
-    result = py(torch_venv, program(), env=env, timeout=T_TORCH)
+    result = batch[f"malformed:{case}"]
     data = result_of(result, allow_warnings=True)
     assert data["error"] is None
     assert statuses(data["report"]) == expected
