@@ -90,16 +90,19 @@ def _apply_isolated(patch: Any, settings: Settings) -> None:
 def _apply_policies(settings: Settings) -> None:
     if not settings.reduce_scatter_unused_params:
         return
-    from .patches import unused_param_reduction
-
-    status, _ = REGISTRY.get("unused_param_reduction")
-    # The policy needs a fill: torch's own (>= 2.13, whatever the backport's toggle) or the backport.
-    if status is not PatchStatus.APPLIED and not unused_param_reduction.has_native_api():
-        message = f"requested but not applied: no unused-param fill (unused_param_reduction is {status.value})"
-        REGISTRY.record_policy("reduce_scatter_unused_params_default_on", message)
-        warn(REDUCE_SCATTER_UNUSED_PARAMS, f"{REDUCE_SCATTER_UNUSED_PARAMS}=1 {message}")
-        return
     try:
+        # Inside the try: has_native_api() looks up FSDPModule, which raised AttributeError out of
+        # the hook (and so out of the user's `import torch.distributed.fsdp`) when torch's internals
+        # differ (tests/unit/test_fault_injection.py).
+        from .patches import unused_param_reduction
+
+        status, _ = REGISTRY.get("unused_param_reduction")
+        # The policy needs a fill: torch's own (>= 2.13, whatever the backport's toggle) or the backport.
+        if status is not PatchStatus.APPLIED and not unused_param_reduction.has_native_api():
+            message = f"requested but not applied: no unused-param fill (unused_param_reduction is {status.value})"
+            REGISTRY.record_policy("reduce_scatter_unused_params_default_on", message)
+            warn(REDUCE_SCATTER_UNUSED_PARAMS, f"{REDUCE_SCATTER_UNUSED_PARAMS}=1 {message}")
+            return
         description = unused_param_reduction.apply_default_on_policy()
         REGISTRY.record_policy(
             "reduce_scatter_unused_params_default_on",

@@ -160,4 +160,12 @@ def register_hook():
         record_unavailable(f"wrapt could not be imported ({type(error).__name__}: {error})")
         return
     _hook_registered = True
-    wrapt.register_post_import_hook(_HOOK, HOOK_TARGET)
+    # A wrapt that imports but cannot register the hook (a broken or incompatible install) used to
+    # raise into the caller's bare `except: pass`, leaving every patch `pending` forever although
+    # FSDP2 was imported (tests/unit/test_fault_injection.py): record why instead.
+    try:
+        wrapt.register_post_import_hook(_HOOK, HOOK_TARGET)
+    except Exception as error:
+        from ._activate import record_unavailable
+
+        record_unavailable(f"wrapt could not register the import hook ({type(error).__name__}: {error})")

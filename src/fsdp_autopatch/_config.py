@@ -85,6 +85,25 @@ def warn(variable: str, message: str) -> None:
             pass
 
 
+# Values are echoed in warnings and registry reasons. An environment value can be ~128 KiB: without
+# a cap, one bad value printed a 100 KB warning line on every rank (tests/unit/test_fault_injection.py).
+_SHOWN_MAX = 64
+
+
+def _shown(value: str | None) -> str:
+    """``value`` as given, or its start and its length if it is longer than ``_SHOWN_MAX``."""
+    if value is None or len(value) <= _SHOWN_MAX:
+        return str(value)
+    return f"{value[:_SHOWN_MAX]}...[{len(value)} characters]"
+
+
+def _quoted(value: str) -> str:
+    """``repr(value)``, shortened like :func:`_shown`."""
+    if len(value) <= _SHOWN_MAX:
+        return repr(value)
+    return f"{value[:_SHOWN_MAX]!r}...[{len(value)} characters]"
+
+
 class Settings:
     """Everything the ``FSDP_AUTOPATCH_*`` variables decide, read once per activation.
 
@@ -145,7 +164,7 @@ def _read_bool(environ, variable, default, warn) -> bool:
     if value is None:
         warn(
             variable,
-            f"{variable}={raw!r} is not a boolean (use 1/true/yes/on or 0/false/no/off); "
+            f"{variable}={_quoted(raw)} is not a boolean (use 1/true/yes/on or 0/false/no/off); "
             f"ignoring it ({_describe_default(default)})",
         )
         return default
@@ -165,7 +184,7 @@ def _read_disabled_list(environ, warn) -> frozenset[str]:
     if unknown:
         warn(
             DISABLED_LIST,
-            f"{DISABLED_LIST} names unknown patch(es) {', '.join(unknown)}; "
+            f"{DISABLED_LIST} names unknown patch(es) {', '.join(_shown(name) for name in unknown)}; "
             f"known patches: {', '.join(PATCH_NAMES)} (or '*' for all)",
         )
     if "*" in names:
@@ -176,12 +195,12 @@ def _read_disabled_list(environ, warn) -> frozenset[str]:
 def _decide_patch(environ, name, enabled, disabled_list, warn) -> tuple[bool, str]:
     variable = patch_env_var(name)
     if not enabled:
-        return False, f"{KILL_SWITCH}={environ.get(KILL_SWITCH)}"
+        return False, f"{KILL_SWITCH}={_shown(environ.get(KILL_SWITCH))}"
     own = _read_bool(environ, variable, None, warn) if variable in environ else None
     if own is not None:
-        return own, f"{variable}={environ[variable]}"
+        return own, f"{variable}={_shown(environ[variable])}"
     if name in disabled_list:
-        return False, f"{DISABLED_LIST}={environ.get(DISABLED_LIST)}"
+        return False, f"{DISABLED_LIST}={_shown(environ.get(DISABLED_LIST))}"
     return True, "default"
 
 
@@ -191,7 +210,7 @@ def _read_log_level(environ, warn) -> str | None:
         return None
     level = raw.strip().upper()
     if level not in _LOG_LEVELS:
-        warn(LOG_LEVEL, f"{LOG_LEVEL}={raw!r} is not one of {', '.join(_LOG_LEVELS)}; logging stays off")
+        warn(LOG_LEVEL, f"{LOG_LEVEL}={_quoted(raw)} is not one of {', '.join(_LOG_LEVELS)}; logging stays off")
         return None
     return level
 
@@ -212,4 +231,4 @@ def _warn_unknown_variables(environ, warn) -> None:
 
         close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
         hint = f"; did you mean {close[0]}?" if close else ""
-        warn(variable, f"unknown variable {variable} is ignored{hint}")
+        warn(variable, f"unknown variable {_shown(variable)} is ignored{hint}")
