@@ -123,6 +123,9 @@ def test_bootstrap_imports_only_the_standard_library():
     ours = {m for m in new if m.startswith("fsdp_autopatch")}
     assert ours == {"fsdp_autopatch", "fsdp_autopatch._bootstrap", "fsdp_autopatch._config", "fsdp_autopatch._version"}
     assert not new & {"torch", "wrapt", "packaging", "inspect", "importlib.metadata", "dataclasses", "logging"}
+    # The rest of `new` is `os` and its modules, which `site` (skipped here by -S) has always loaded
+    # before it reads a .pth file; `from __future__ import annotations` would add `__future__`.
+    assert "__future__" not in new
 
 
 def test_first_import_of_torch_in_one_thread_does_not_deadlock_another_thread(fake_torch):
