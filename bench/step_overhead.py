@@ -20,7 +20,7 @@ methods are wrapped in the rank processes), and the bytes the patches hold on FS
 ``restore_unused_param_grads`` usage probe at its peak, just before the final callback frees it,
 and what is left after each step). Timings are informative only; no test depends on them.
 
-    .venv/bin/python bench/step_overhead.py [--blocks 20] [--steps 10] [--cases fill_off fill_on]
+    .venv/bin/python bench/step_overhead.py [--blocks 16] [--steps 5] [--cases fill_off fill_on]
     .venv/bin/python bench/step_overhead.py --json out.json
 """
 
@@ -230,6 +230,7 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
                 times.append(time.perf_counter() - start)
             res = results[variant]
             res["times"] += times
+            res.setdefault("block_medians", []).append(statistics.median(times))
             for name, per_pg in counter.calls.items():
                 for pg, calls in per_pg.items():
                     res["calls"].setdefault(name, {}).setdefault(pg, 0)
@@ -286,6 +287,8 @@ def summarize(case: str, result: dict) -> dict:
     variants = result["variants"]
     patched, unpatched = variants["patched"], variants["unpatched"]
     on, off = statistics.median(patched["times"]), statistics.median(unpatched["times"])
+    # paired: each patched block against the unpatched block next to it in time
+    pairs = [a / b for a, b in zip(patched.get("block_medians", []), unpatched.get("block_medians", []))]
     calls_on = _per_step(patched["calls"], patched["steps_counted"])
     calls_off = _per_step(unpatched["calls"], unpatched["steps_counted"])
     extra = {n: calls_on.get(n, 0) - calls_off.get(n, 0) for n in sorted(set(calls_on) | set(calls_off))}
@@ -304,6 +307,8 @@ def summarize(case: str, result: dict) -> dict:
         "steps_timed": [len(patched["times"]), len(unpatched["times"])],
         "median_ms": [on * 1e3, off * 1e3],
         "ratio": on / off,
+        "paired_block_ratio_median": statistics.median(pairs) if pairs else None,
+        "paired_block_ratio_quartiles": statistics.quantiles(pairs, n=4) if len(pairs) > 1 else None,
         "collectives_per_step_in_backward": {"patched": calls_on, "unpatched": calls_off, "extra": extra},
         "process_groups_with_extra_all_reduce": len(extra_pgs),
         "probe_peak_bytes": peak["bytes"],
@@ -318,6 +323,9 @@ def print_summary(s: dict) -> None:
           f"torch {s['torch']}, applied: {', '.join(s['applied'])}")
     print(f"  median step: patched {on:.2f} ms, unpatched {off:.2f} ms, ratio {s['ratio']:.4f} "
           f"({s['steps_timed'][0]} + {s['steps_timed'][1]} steps)")
+    if s["paired_block_ratio_quartiles"]:
+        q1, q2, q3 = s["paired_block_ratio_quartiles"]
+        print(f"  paired blocks: median ratio {s['paired_block_ratio_median']:.4f} (quartiles {q1:.4f} / {q3:.4f})")
     calls = s["collectives_per_step_in_backward"]
     for name in sorted(calls["extra"]):
         print(f"  {name:<22} per step in backward: patched {calls['patched'].get(name, 0):5.1f}  "
@@ -334,8 +342,8 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["fill_off", "fill_on"], choices=sorted(ROUTES))
-    parser.add_argument("--blocks", type=int, default=20, help="alternations of patched/unpatched blocks")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per block")
+    parser.add_argument("--blocks", type=int, default=16, help="alternations of patched/unpatched blocks")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--mode", choices=["inprocess", "env"], default="inprocess",
                         help="inprocess: revert/re-apply in the same ranks; env: alternate launches "
                         "with FSDP_AUTOPATCH_ENABLED=0 (--blocks launches of each)")
@@ -359,6 +367,7 @@ def main() -> int:
                     got = res["variants"][variant]
                     have = base["variants"].setdefault(variant, {"times": [], "calls": {}, "steps_counted": 0, "leftover": []})
                     have["times"] += got["times"]
+                    have.setdefault("block_medians", []).extend(got.get("block_medians", []))
                     have["steps_counted"] += got["steps_counted"]
                     have["leftover"] = sorted(set(have["leftover"]) | set(got["leftover"]))
                     for name, per_pg in got["calls"].items():
