@@ -159,6 +159,106 @@ def _leftover_attributes(model) -> list[str]:
     return sorted(set(left))
 
 
+def _wrapper_cost(model, one_step, case: str) -> dict:
+    """A low-noise estimate of what the patches add to a step (patched variant active).
+
+    Counts, during one step under ``sys.setprofile``, the calls of each patch's wrapper function,
+    then times each wrapper around a no-op on the real FSDP objects of this model (``timeit``,
+    best of 5) against the no-op alone; the estimate is the sum of calls x extra time per call.
+    For ``fill_on`` it adds the median time of the one int32 all-reduce of the usage flags.
+    """
+    import threading
+    import timeit
+
+    import torch
+
+    from fsdp_autopatch import _compat
+    from fsdp_autopatch.patches import accumulated_grad_guard as guard
+    from fsdp_autopatch.patches import restore_unused_param_grads as restore
+    from fsdp_autopatch.patches import uniform_reduce_dtype as uniform
+
+    wrappers = {
+        "accumulated_grad_guard": guard._skip_never_unsharded,
+        "uniform_reduce_dtype": uniform._uniform_dtype_reduce,
+        "restore_unused_param_grads.post_backward": restore._probe_usage,
+        "restore_unused_param_grads.final_callback": restore._restore_after_callback,
+    }
+    by_code = {func.__code__: name for name, func in wrappers.items()}
+    calls = dict.fromkeys(wrappers, 0)
+
+    def profiler(frame, event, arg):
+        if event == "call":
+            name = by_code.get(frame.f_code)
+            if name is not None:
+                calls[name] += 1
+
+    sys.setprofile(profiler)
+    threading.setprofile(profiler)
+    try:
+        one_step()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+    root = model._get_fsdp_state()
+    group = _compat.state_param_groups(model.blocks[0]._get_fsdp_state())[0]
+    fsdp_param = group.fsdp_params[0]
+    grads = [torch.zeros(4, dtype=torch.float32) for _ in group.fsdp_params]
+
+    def noop(*args, **kwargs):
+        return None
+
+    def per_call(func) -> float:
+        number = 2000
+        return min(timeit.repeat(func, number=number, repeat=5)) / number
+
+    method_wrapper = {name: _compat.wrap(noop, wrappers[name]) for name in wrappers}
+    cost = {
+        "accumulated_grad_guard": per_call(lambda: method_wrapper["accumulated_grad_guard"].__get__(fsdp_param, type(fsdp_param))())
+        - per_call(lambda: noop.__get__(fsdp_param, type(fsdp_param))()),
+        "uniform_reduce_dtype": per_call(lambda: method_wrapper["uniform_reduce_dtype"](group.fsdp_params, grads))
+        - per_call(lambda: noop(group.fsdp_params, grads)),
+        "restore_unused_param_grads.final_callback": per_call(
+            lambda: method_wrapper["restore_unused_param_grads.final_callback"].__get__(root, type(root))())
+        - per_call(lambda: noop.__get__(root, type(root))()),
+    }
+    if case == "fill_off":  # with the fill off the post_backward wrapper only checks two flags
+        cost["restore_unused_param_grads.post_backward"] = per_call(
+            lambda: method_wrapper["restore_unused_param_grads.post_backward"].__get__(group, type(group))()
+        ) - per_call(lambda: noop.__get__(group, type(group))())
+    else:  # with it on, it builds this group's usage probe (removed again here)
+        def probe_once():
+            method_wrapper["restore_unused_param_grads.post_backward"].__get__(group, type(group))()
+            vars(group).pop(restore._PROBE, None)
+
+        reduce_grads = group.reduce_grads
+        group.reduce_grads = True
+        try:
+            cost["restore_unused_param_grads.post_backward"] = per_call(probe_once) - per_call(
+                lambda: noop.__get__(group, type(group))())
+        finally:
+            group.reduce_grads = reduce_grads
+    total = sum(calls[name] * max(cost[name], 0.0) for name in wrappers)
+    result = {"calls_per_step": calls, "us_per_call": {k: v * 1e6 for k, v in cost.items()}}
+    if case == "fill_on":  # plus the one packed all-reduce of the usage flags (both ranks run this)
+        import time
+
+        import torch.distributed as dist
+
+        flags = torch.ones(sum(len(g.fsdp_params) for s in root._state_ctx.all_states
+                               for g in _compat.state_param_groups(s)), dtype=torch.int32)
+        dist.barrier()
+        times = []
+        for _ in range(30):
+            start = time.perf_counter()
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.mesh_info.shard_process_group)
+            times.append(time.perf_counter() - start)
+        result["flag_all_reduce_us"] = statistics.median(times) * 1e6
+        total += statistics.median(times)
+    result["us_per_step"] = total * 1e6
+    return result
+
+
 def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
     import time
     from datetime import timedelta
@@ -238,6 +338,7 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
             res["steps_counted"] += steps
             res["leftover"] = sorted(set(res["leftover"]) | set(_leftover_attributes(model)))
     set_variant("patched")
+    wrapper_cost = _wrapper_cost(model, one_step, case)
     if rank == 0:
         with open(out, "w") as handle:
             json.dump(
@@ -248,6 +349,7 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
                     "units": n_units,
                     "micro_batches": len(data),
                     "probe_peak": peak,
+                    "wrapper_cost": wrapper_cost,
                     "variants": results,
                 },
                 handle,
@@ -311,6 +413,8 @@ def summarize(case: str, result: dict) -> dict:
         "paired_block_ratio_quartiles": statistics.quantiles(pairs, n=4) if len(pairs) > 1 else None,
         "collectives_per_step_in_backward": {"patched": calls_on, "unpatched": calls_off, "extra": extra},
         "process_groups_with_extra_all_reduce": len(extra_pgs),
+        "wrapper_cost": result.get("wrapper_cost"),
+        "wrapper_cost_fraction": (result["wrapper_cost"]["us_per_step"] / 1e3 / (off * 1e3)) if result.get("wrapper_cost") else None,
         "probe_peak_bytes": peak["bytes"],
         "probe_peak_bytes_per_param": peak["bytes"] / peak["params"] if peak["params"] else 0.0,
         "left_after_step": patched["leftover"],
@@ -326,6 +430,12 @@ def print_summary(s: dict) -> None:
     if s["paired_block_ratio_quartiles"]:
         q1, q2, q3 = s["paired_block_ratio_quartiles"]
         print(f"  paired blocks: median ratio {s['paired_block_ratio_median']:.4f} (quartiles {q1:.4f} / {q3:.4f})")
+    if s.get("wrapper_cost"):
+        w = s["wrapper_cost"]
+        print(f"  estimate (calls/step x us/call): {w['us_per_step']:.1f} us per step = "
+              f"{s['wrapper_cost_fraction']:.3%} of the unpatched step; "
+              + ", ".join(f"{k} {w['calls_per_step'][k]} x {w['us_per_call'][k]:.2f}" for k in w["calls_per_step"])
+              + (f", flag all-reduce 1 x {w['flag_all_reduce_us']:.0f}" if "flag_all_reduce_us" in w else ""))
     calls = s["collectives_per_step_in_backward"]
     for name in sorted(calls["extra"]):
         print(f"  {name:<22} per step in backward: patched {calls['patched'].get(name, 0):5.1f}  "
@@ -363,7 +473,7 @@ def main() -> int:
                     res = launch(case, variant, 1, args.steps, env, args.timeout)
                     base = merged.setdefault("result", {**res, "variants": {}})
                     if variant == "patched":
-                        base.update(applied=res["applied"], probe_peak=res["probe_peak"])
+                        base.update(applied=res["applied"], probe_peak=res["probe_peak"], wrapper_cost=res["wrapper_cost"])
                     got = res["variants"][variant]
                     have = base["variants"].setdefault(variant, {"times": [], "calls": {}, "steps_counted": 0, "leftover": []})
                     have["times"] += got["times"]
