@@ -231,7 +231,9 @@ def activation(pythons: dict[str, Path], target: str, args) -> dict:
         plain.append(float(sh([without_py, "-c", PLAIN, target]).stdout.strip().splitlines()[-1]))
         gross.append(probe(with_py, target, []))
         net.append(probe(with_py, target, moved))
-    split = split_by_package(probe(with_py, target, moved, importtime=True))
+    timed_run = probe(with_py, target, moved, importtime=True)
+    split = split_by_package(timed_run)
+    hook_modules = {m: timed_run["self_us"].get(m, 0) / 1e3 for p in timed_run["phase"].values() for m in p["loaded"]}
     import_ms = statistics.median(plain) * 1e3
     gross_ms = statistics.median(hook_seconds(d) for d in gross) * 1e3
     net_ms = statistics.median(hook_seconds(d) for d in net) * 1e3
@@ -241,7 +243,7 @@ def activation(pythons: dict[str, Path], target: str, args) -> dict:
         "import_in_process_ms": import_ms, "probe_rounds": args.probe_rounds,
         "hook_gross_ms": gross_ms, "hook_net_ms": net_ms, "arm_net_ms": phases["arm"], "fire_net_ms": phases["fire"],
         "net_fraction": net_ms / import_ms, "gross_fraction": gross_ms / import_ms,
-        "moved_not_added": moved, "net_split_ms": split, "applied": gross[0]["applied"],
+        "moved_not_added": moved, "net_split_ms": split, "net_module_self_ms": hook_modules, "applied": gross[0]["applied"],
         "hook_loaded": {k: v["loaded"] for k, v in gross[0]["phase"].items()},
     }
     print(f"{code} ({args.torch_rounds} alternating runs each)")
