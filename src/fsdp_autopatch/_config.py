@@ -1,7 +1,7 @@
 """Environment variables -> settings, with a clear warning for every bad value.
 
-Stdlib only and cheap: the bootstrap imports this module at interpreter start (for the kill
-switch); everything else here runs when torch's FSDP2 is imported, so a launcher can set the
+Stdlib only and cheap: the bootstrap imports this module at interpreter start when the kill
+switch variable is set; everything else here runs when torch's FSDP2 is imported, so a launcher can set the
 variables after the interpreter started.
 
 Precedence for one patch: ``FSDP_AUTOPATCH_ENABLED`` (kill switch) > ``FSDP_AUTOPATCH_<NAME>_ENABLED``
@@ -11,8 +11,8 @@ Precedence for one patch: ``FSDP_AUTOPATCH_ENABLED`` (kill switch) > ``FSDP_AUTO
 import os
 import sys
 
-# The bootstrap imports this module at interpreter start, where it may load nothing outside this
-# package: so no `typing` (TYPE_CHECKING is False at run time) and no `from __future__ import
+# The bootstrap imports this module at interpreter start when FSDP_AUTOPATCH_ENABLED is set, where
+# it may load nothing outside this package: so no `typing` (TYPE_CHECKING is False at run time) and no `from __future__ import
 # annotations` (that statement imports the `__future__` module, ~0.3 ms and one more entry in
 # sys.modules; bench/startup.py). Annotations that Python 3.9 cannot evaluate are strings instead.
 TYPE_CHECKING = False
