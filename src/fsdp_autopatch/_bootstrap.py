@@ -16,7 +16,12 @@ issue 75723) and because users may also call ``fsdp_autopatch.install()`` themse
 import os
 import sys
 
-from ._config import KILL_SWITCH, kill_switch_off
+# The kill switch's name, the same as ``_config.KILL_SWITCH`` (tests/unit/test_bootstrap.py checks).
+# Spelled here so that a start without the variable, the usual case, imports only this package's
+# ``__init__`` and this module: ``_config`` (and ``_version``) are no longer loaded at every
+# interpreter start, two modules fewer, about 0.3-0.5 ms of the ~1 ms the .pth cost
+# (bench/startup.py, docs/performance.md).
+KILL_SWITCH = "FSDP_AUTOPATCH_ENABLED"
 
 HOOK_TARGET = "torch.distributed.fsdp._fully_shard"
 _HOOK = "fsdp_autopatch._activate:activate"
@@ -48,10 +53,13 @@ def _install(how):
     global source, disabled_at_start
     if source is None:
         source = how
-    if kill_switch_off():
-        # Respect FSDP_AUTOPATCH_ENABLED=0 at its cheapest: arm nothing at all.
-        disabled_at_start = os.environ.get(KILL_SWITCH)
-        return
+    if KILL_SWITCH in os.environ:  # unset (the usual case) means on: no need to parse anything
+        from ._config import kill_switch_off
+
+        if kill_switch_off():
+            # Respect FSDP_AUTOPATCH_ENABLED=0 at its cheapest: arm nothing at all.
+            disabled_at_start = os.environ.get(KILL_SWITCH)
+            return
     disabled_at_start = None
     if "torch" in sys.modules:
         register_hook()  # torch came first (python -S, embedded, late explicit install)

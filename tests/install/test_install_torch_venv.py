@@ -128,7 +128,7 @@ def test_start_up_imports_only_the_bootstrap(torch_venv: Venv) -> None:
             start -= 1
         imported |= {name for _, name in rows[start : end + 1]}
     others = sorted(m for m in imported if m != "fsdp_autopatch" and not m.startswith("fsdp_autopatch."))
-    assert set(others) <= {"__future__"}, f"the bootstrap imports {others} at interpreter start"
+    assert others == [], f"the bootstrap imports {others} at interpreter start"
 
 
 @pytest.mark.parametrize(

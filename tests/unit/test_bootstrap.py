@@ -121,8 +121,12 @@ def test_bootstrap_imports_only_the_standard_library():
     assert result.returncode == 0, result.stderr
     new = set(result.stdout.strip().split(","))
     ours = {m for m in new if m.startswith("fsdp_autopatch")}
-    assert ours == {"fsdp_autopatch", "fsdp_autopatch._bootstrap", "fsdp_autopatch._config", "fsdp_autopatch._version"}
+    # _config and _version load only when needed (FSDP_AUTOPATCH_ENABLED set, __version__ read)
+    assert ours == {"fsdp_autopatch", "fsdp_autopatch._bootstrap"}
     assert not new & {"torch", "wrapt", "packaging", "inspect", "importlib.metadata", "dataclasses", "logging"}
+    # The rest of `new` is `os` and its modules, which `site` (skipped here by -S) has always loaded
+    # before it reads a .pth file; `from __future__ import annotations` would add `__future__`.
+    assert "__future__" not in new
 
 
 def test_first_import_of_torch_in_one_thread_does_not_deadlock_another_thread(fake_torch):
@@ -171,3 +175,20 @@ def test_availability_check_does_not_use_up_the_trigger(fake_torch):
     armed_early, statuses = json.loads(result.stdout)
     assert armed_early is False
     assert set(statuses) == {"unsupported"}  # the hook ran (fake torch has no FSDP2 internals)
+
+
+def test_the_bootstrap_spells_the_kill_switch_as_the_config_does():
+    from fsdp_autopatch import _bootstrap, _config
+
+    assert _bootstrap.KILL_SWITCH == _config.KILL_SWITCH
+
+
+def test_version_is_loaded_on_first_use():
+    import fsdp_autopatch
+    from fsdp_autopatch import _version
+
+    assert fsdp_autopatch.__version__ == _version.__version__
+    assert "__version__" in dir(fsdp_autopatch)
+    from fsdp_autopatch import __version__
+
+    assert __version__ == _version.__version__
