@@ -324,6 +324,36 @@ def update_docs(table: str) -> None:
     log(f"updated {doc.relative_to(ROOT)}")
 
 
+def report_only(files: list[Path], out: Path, docs: bool) -> int:
+    by_release: dict[str, dict] = {}
+    metas = []
+    for path in files:
+        data = json.loads(path.read_text())
+        metas.append(data["meta"])
+        for result in data["results"]:
+            result["measured"] = f"{data['meta']['date']}, commit {data['meta']['commit']}"
+            by_release[result["release"]] = result
+    results = [by_release[r] for r in sorted(by_release, key=EXPECTED.release_of)]
+    commits = sorted({m["commit"] for m in metas})
+    meta = {
+        **metas[-1],
+        "commit": " + ".join(commits),
+        "wall_minutes": round(sum(m["wall_minutes"] for m in metas), 1),
+        "max_venv_mb": max(m["max_venv_mb"] for m in metas),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    table = markdown(results, meta)
+    if len(files) > 1:
+        table += "\nRows merged from several runs: " + "; ".join(
+            f"torch {r.get('registry', {}).get('torch', r['release'])}: {r['measured']}" for r in results
+        ) + ".\n"
+    (out / "matrix.md").write_text(table)
+    if docs:
+        update_docs(table)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
@@ -339,7 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="the interpreter the venvs are made from")
     parser.add_argument("--keep-venvs", action="store_true", help="do not delete each venv after its release")
     parser.add_argument("--update-docs", action="store_true", help="rewrite the measured table in docs/compatibility.md")
+    parser.add_argument(
+        "--report-only", nargs="+", type=Path, metavar="MATRIX_JSON",
+        help="run nothing: merge earlier matrix.json files (a later file's release replaces an earlier one's) "
+        "and write the table, e.g. after re-running one release",
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        return report_only(args.report_only, args.out, args.update_docs)
 
     started = time.monotonic()
     out, logs = args.out, args.out / "logs"

@@ -141,6 +141,14 @@ def _compare_through_store(store: Any, prefix: str, rank: int, ranks: list[int],
     if store.add(f"{prefix}/digest/{digest}", 0) == len(ranks):
         return
     peers = {r: json.loads(store.get(f"{prefix}/fingerprint/{r}")) for r in ranks}
+    # The store may live in one of these ranks (rank 0 without an elastic agent): nobody raises, and
+    # so exits, before every rank has read what it needs for its own message.
+    if store.add(f"{prefix}/read", 1) == len(ranks):
+        store.set(f"{prefix}/read_complete", "1")
+    try:
+        store.wait([f"{prefix}/read_complete"])
+    except Exception:
+        pass  # a peer died meanwhile: still raise the error below
     raise RuntimeError(
         f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
         f"{prefix.rsplit('/', 1)[-1]}, so they would issue different collectives: {describe_differences(peers)}. "
