@@ -331,26 +331,27 @@ def report_only(files: list[Path], out: Path, docs: bool) -> int:
         data = json.loads(path.read_text())
         metas.append(data["meta"])
         for result in data["results"]:
-            result["measured"] = f"{data['meta']['date']}, commit {data['meta']['commit']}"
+            result.setdefault("measured", f"{data['meta']['date']}, commit {data['meta']['commit']}")
             by_release[result["release"]] = result
     results = [by_release[r] for r in sorted(by_release, key=EXPECTED.release_of)]
     commits = sorted({m["commit"] for m in metas})
     meta = {
         **metas[-1],
         "commit": " + ".join(commits),
-        "wall_minutes": round(sum(m["wall_minutes"] for m in metas), 1),
+        "wall_minutes": round(sum(m["wall_minutes"] for m in metas), 1),  # the merged runs together
         "max_venv_mb": max(m["max_venv_mb"] for m in metas),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     table = markdown(results, meta)
-    if len(files) > 1:
+    if len({r["measured"] for r in results}) > 1:
         table += "\nRows merged from several runs: " + "; ".join(
             f"torch {r.get('registry', {}).get('torch', r['release'])}: {r['measured']}" for r in results
         ) + ".\n"
     (out / "matrix.md").write_text(table)
     if docs:
         update_docs(table)
+    log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

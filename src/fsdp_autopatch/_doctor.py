@@ -17,7 +17,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from . import _bootstrap
-from ._config import KILL_SWITCH, PREFIX, ConfigWarning, read_settings
+from ._config import DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
 from ._registry import HOOK_TARGET, REGISTRY, PatchStatus
 
 PTH_NAME = "fsdp_autopatch.pth"
@@ -175,8 +175,13 @@ def _torch_and_patches() -> list[Finding]:
         return [Finding("torch", PROBLEM, f"torch {version}: {error}", "use torch >= 2.6 (FSDP2); see docs/compatibility.md")]
     findings = [Finding("torch", OK, f"torch {version}, FSDP2 at {HOOK_TARGET}")]
     report = REGISTRY.snapshot()
+    armed = _bootstrap.source is not None and _bootstrap.disabled_at_start is None
     for record in report.patches:
-        findings.append(_patch_finding(record))
+        finding = _patch_finding(record)
+        if not armed and finding.level == OK:
+            # evaluated by doctor itself: says what the patch would do once the bootstrap runs
+            finding = finding._replace(message=f"would be {finding.message} (evaluated here; not armed at start-up)")
+        findings.append(finding)
     return findings
 
 
@@ -185,7 +190,7 @@ def _patch_finding(record: Any) -> Finding:
     if status in (PatchStatus.APPLIED, PatchStatus.NOT_NEEDED):
         return Finding(record.name, OK, f"{status.value}: {record.reason}")
     if status is PatchStatus.DISABLED:
-        return Finding(record.name, WARNING, f"disabled: {record.reason}", f"unset or set {record.env}=1 to turn it on")
+        return Finding(record.name, WARNING, f"disabled: {record.reason}", _how_to_enable(record))
     if status is PatchStatus.UNSUPPORTED:
         return Finding(
             record.name, PROBLEM, f"unsupported on this torch, not protected: {record.reason}",
@@ -194,6 +199,15 @@ def _patch_finding(record: Any) -> Finding:
     if status is PatchStatus.FAILED:
         return Finding(record.name, PROBLEM, f"failed: {record.reason}", "report this with `fsdp-autopatch doctor --json`")
     return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
+
+
+def _how_to_enable(record: Any) -> str:
+    """The variable that really switched this patch off (the kill switch wins over the others)."""
+    if KILL_SWITCH in record.reason:
+        return f"unset {KILL_SWITCH} (it turns every patch off)"
+    if DISABLED_LIST in record.reason:
+        return f"remove {record.name} from {DISABLED_LIST} (or set {record.env}=1)"
+    return f"unset {record.env} or set it to 1"
 
 
 def _installed_torch_version() -> str | None:
