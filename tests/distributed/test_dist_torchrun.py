@@ -61,12 +61,16 @@ def torchrun(node_envs: list[dict[str, str]], nproc_per_node: int) -> list[subpr
 
 
 def rank_reports(results: list[subprocess.CompletedProcess]) -> dict[int, dict]:
+    """Every rank's JSON report. Ranks share the agent's stdout, so two reports can land on one
+    line: decode objects one after another instead of line by line."""
     reports = {}
+    decoder = json.JSONDecoder()
     for result in results:
-        for line in result.stdout.splitlines():
-            if line.startswith("{"):
-                report = json.loads(line)
-                reports[report["rank"]] = report
+        text, at = result.stdout, result.stdout.find('{"rank"')
+        while at != -1:
+            report, end = decoder.raw_decode(text, at)
+            reports[report["rank"]] = report
+            at = text.find('{"rank"', end)
     return reports
 
 
