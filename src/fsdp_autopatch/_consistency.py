@@ -15,13 +15,14 @@ What
     the job's c10d store, not through a collective on the group: a peer without the plugin runs
     no check, and a collective would pair with that peer's first all-gather instead.
 
-    Happy path: per rank, one ``set`` and three ``add`` calls and one ``wait`` on the store,
-    i.e. O(world size) store operations for the whole job, whatever its size; no tensor
+    Happy path: per rank and process group, one ``set`` and three ``add`` calls and one ``wait``
+    on the store, i.e. O(world size) store operations for the whole job, whatever its size; no tensor
     collective, nothing per step. Only on a mismatch does each rank read its peers' fingerprints
     to name the ranks and patches that differ.
 
 Errors
-    ``RuntimeError`` on every rank of the group, from the first forward:
+    ``RuntimeError`` on every rank of the group, from the first forward (every group's findings
+    in one error when several groups differ, e.g. an HSDP shard group and a replicate group):
     * "ranks disagree": lists each differing item (e.g. ``restore_unused_param_grads``) with the
       ranks on each side;
     * "never reported": ranks that did not reach the check within the store's timeout (which
@@ -37,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _compat
 from ._registry import REGISTRY
@@ -79,8 +80,7 @@ def _check_after_lazy_init(wrapped, state, args, kwargs):
     # _lazy_init runs before every forward and returns at once after the first: stay as cheap.
     if state._is_root and not vars(state).get(_CHECKED):
         setattr(state, _CHECKED, True)
-        for group in _process_groups(state):
-            check_group(group)
+        check_groups(_process_groups(state))
     return result
 
 
@@ -97,23 +97,39 @@ def _process_groups(root_state: Any) -> list[Any]:
     return groups
 
 
-def check_group(group: Any) -> None:
-    """Compare this rank's fingerprint with every other rank of ``group``; raise on a difference."""
+class _Comparison(NamedTuple):
+    """One process group's comparison: keys under ``prefix`` in the job's c10d store."""
+
+    store: Any
+    prefix: str
+    rank: int
+    ranks: list[int]
+    items: dict[str, str]
+
+
+def check_groups(groups: list[Any]) -> None:
+    """Compare this rank's fingerprint with every other rank of each group; raise on a difference."""
+    comparisons = [c for c in map(_comparison_for, groups) if c is not None]
+    if comparisons:
+        _compare_all(comparisons)
+
+
+def _comparison_for(group: Any) -> _Comparison | None:
     import torch.distributed as dist
 
     ranks = list(dist.get_process_group_ranks(group))
     if len(ranks) < 2:
-        return
+        return None
     name = str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
     if name in _checked_groups:
-        return
+        return None
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception as error:  # no default store (unusual init): nothing to compare through
         logger.debug("cross-rank check skipped for group %s: %s", name, error)
-        return
+        return None
     _checked_groups[name] = group
-    _compare_through_store(store, f"{_KEY_PREFIX}/{name}", dist.get_rank(), ranks, fingerprint())
+    return _Comparison(store, f"{_KEY_PREFIX}/{name}", dist.get_rank(), ranks, fingerprint())
 
 
 def _digest(items: dict[str, str]) -> str:
@@ -121,40 +137,84 @@ def _digest(items: dict[str, str]) -> str:
 
 
 def _compare_through_store(store: Any, prefix: str, rank: int, ranks: list[int], items: dict[str, str]) -> None:
-    """The store protocol: count the ranks that share this rank's digest once all have arrived."""
-    digest = _digest(items)
-    store.set(f"{prefix}/fingerprint/{rank}", json.dumps(items, sort_keys=True))
-    store.add(f"{prefix}/digest/{digest}", 1)
-    if store.add(f"{prefix}/arrived", 1) == len(ranks):
-        store.set(f"{prefix}/complete", "1")  # the last rank to arrive releases everyone
+    """One group's comparison (the store protocol below, for a single group)."""
+    _compare_all([_Comparison(store, prefix, rank, ranks, items)])
+
+
+def _compare_all(comparisons: list[_Comparison]) -> None:
+    """Report to every group first, then wait and compare, then raise everything found.
+
+    Reporting first matters for HSDP: a rank belongs to a shard group and a replicate group, and if
+    it stopped at a mismatch in the first before reporting to the second, the second group's peers
+    would wait the whole timeout and then blame it as "never reported". No wait below depends on
+    the order in which ranks visit their groups.
+    """
+    for comparison in comparisons:
+        _announce(comparison)
+    errors: list[RuntimeError] = []
+    disagreeing: list[tuple[_Comparison, dict[int, dict[str, str]]]] = []
+    for comparison in comparisons:
+        try:
+            peers = _peers_if_different(comparison)
+        except RuntimeError as error:
+            errors.append(error)
+            continue
+        if peers is not None:
+            disagreeing.append((comparison, peers))
+    for comparison, peers in disagreeing:
+        _wait_until_every_peer_has_read(comparison)
+        errors.append(RuntimeError(
+            f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
+            f"{_group_of(comparison)}, so they would issue different collectives: {describe_differences(peers)}. "
+            "Give every rank the same FSDP_AUTOPATCH_* environment and the same torch, or set "
+            "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
+        ))
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise RuntimeError("\n".join(str(error) for error in errors))
+
+
+def _group_of(comparison: _Comparison) -> str:
+    return comparison.prefix.rsplit("/", 1)[-1]
+
+
+def _announce(c: _Comparison) -> None:
+    """Publish this rank's fingerprint; the last rank to arrive releases everyone."""
+    c.store.set(f"{c.prefix}/fingerprint/{c.rank}", json.dumps(c.items, sort_keys=True))
+    c.store.add(f"{c.prefix}/digest/{_digest(c.items)}", 1)
+    if c.store.add(f"{c.prefix}/arrived", 1) == len(c.ranks):
+        c.store.set(f"{c.prefix}/complete", "1")
+
+
+def _peers_if_different(c: _Comparison) -> dict[int, dict[str, str]] | None:
+    """None when every rank of the group has this rank's digest, else every rank's fingerprint."""
     try:
-        store.wait([f"{prefix}/complete"])  # the store's timeout: the process group's
+        c.store.wait([f"{c.prefix}/complete"])  # the store's timeout: the process group's
     except Exception as error:
-        silent = [r for r in ranks if not store.check([f"{prefix}/fingerprint/{r}"])]
+        silent = [r for r in c.ranks if not c.store.check([f"{c.prefix}/fingerprint/{r}"])]
         raise RuntimeError(
-            f"fsdp-autopatch cross-rank check: {_ranks(silent)} of process group {prefix.rsplit('/', 1)[-1]} "
+            f"fsdp-autopatch cross-rank check: {_ranks(silent)} of process group {_group_of(c)} "
             f"never reported their patches ({type(error).__name__}: {error}). fsdp-autopatch is probably not "
             "active there (FSDP_AUTOPATCH_ENABLED=0, not installed in that environment, or python -S), so those "
             "ranks would issue different collectives. Run every rank in the same environment, or set "
             "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
         ) from None
-    if store.add(f"{prefix}/digest/{digest}", 0) == len(ranks):
-        return
-    peers = {r: json.loads(store.get(f"{prefix}/fingerprint/{r}")) for r in ranks}
+    if c.store.add(f"{c.prefix}/digest/{_digest(c.items)}", 0) == len(c.ranks):
+        return None
+    peers = {r: json.loads(c.store.get(f"{c.prefix}/fingerprint/{r}")) for r in c.ranks}
+    if c.store.add(f"{c.prefix}/read", 1) == len(c.ranks):
+        c.store.set(f"{c.prefix}/read_complete", "1")
+    return peers
+
+
+def _wait_until_every_peer_has_read(c: _Comparison) -> None:
     # The store may live in one of these ranks (rank 0 without an elastic agent): nobody raises, and
     # so exits, before every rank has read what it needs for its own message.
-    if store.add(f"{prefix}/read", 1) == len(ranks):
-        store.set(f"{prefix}/read_complete", "1")
     try:
-        store.wait([f"{prefix}/read_complete"])
+        c.store.wait([f"{c.prefix}/read_complete"])
     except Exception:
-        pass  # a peer died meanwhile: still raise the error below
-    raise RuntimeError(
-        f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
-        f"{prefix.rsplit('/', 1)[-1]}, so they would issue different collectives: {describe_differences(peers)}. "
-        "Give every rank the same FSDP_AUTOPATCH_* environment and the same torch, or set "
-        "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
-    )
+        pass  # a peer died meanwhile: still raise
 
 
 def describe_differences(peers: dict[int, dict[str, str]]) -> str:

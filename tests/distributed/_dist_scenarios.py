@@ -559,26 +559,31 @@ def sc_no_change(ctx: Ctx) -> None:
             rec["steps_after"] = adam_steps(model, opt)
 
 
-def sc_cross_rank(ctx: Ctx) -> None:
-    """Two models on the same process group, two steps each: the check runs once per group.
-
-    ``checks`` counts the store comparisons this rank made (``_compare_through_store``).
-    """
-    from torch.distributed.fsdp import fully_shard
-
+def count_cross_rank_checks() -> list[int]:
+    """``[n]``: how many process groups this rank's cross-rank check compared so far."""
     calls = [0]
     try:
         import fsdp_autopatch._consistency as consistency
     except ImportError:
-        consistency = None
-    if consistency is not None:
-        compare = consistency._compare_through_store
+        return calls
+    announce = consistency._announce
 
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            return compare(*args, **kwargs)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return announce(*args, **kwargs)
 
-        consistency._compare_through_store = counted
+    consistency._announce = counted
+    return calls
+
+
+def sc_cross_rank(ctx: Ctx) -> None:
+    """Two models on the same process group, two steps each: the check runs once per group.
+
+    ``checks`` counts the process groups this rank compared (``count_cross_rank_checks``).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    calls = count_cross_rank_checks()
     for name in ("first_model", "second_model"):
         with ctx.case(name) as rec:
             model = build_model("mlp")

@@ -101,6 +101,58 @@ def test_a_rank_that_never_reports_is_named_after_the_timeout():
         assert "FSDP_AUTOPATCH_ENABLED=0" in message
 
 
+def _hsdp_groups(rank: int) -> list[tuple[str, list[int]]]:
+    """2 replicas x 2 shards: shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}."""
+    shard = [rank - rank % 2, rank - rank % 2 + 1]
+    replicate = [rank % 2, rank % 2 + 2]
+    return [(f"shard{shard[0]}", shard), (f"replicate{replicate[0]}", replicate)]
+
+
+def run_hsdp_ranks(store, prints: dict[int, dict[str, str]], *, reverse_on=()):
+    """Each rank checks its two groups at once; ranks in ``reverse_on`` visit them in the other order."""
+    errors: dict[int, BaseException | None] = {}
+
+    def one(rank):
+        groups = _hsdp_groups(rank)
+        if rank in reverse_on:
+            groups.reverse()
+        comparisons = [
+            _consistency._Comparison(store, f"fsdp_autopatch/cross_rank_check/{name}", rank, ranks, prints[rank])
+            for name, ranks in groups
+        ]
+        try:
+            _consistency._compare_all(comparisons)
+            errors[rank] = None
+        except BaseException as e:  # noqa: BLE001
+            errors[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in prints]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+@pytest.mark.parametrize("reverse_on", [(), (3,), (1, 2)])
+def test_hsdp_a_rank_that_differs_is_named_in_each_of_its_groups_without_waiting_for_the_timeout(reverse_on):
+    """Rank 3 differs: its shard group {2,3} and replicate group {1,3} name it at once; ranks 0
+    and 2 share {0,2}, which agrees. Before every group was reported to first, a rank stopped at
+    its first mismatch, and its other group's peers waited the whole timeout ("never reported")."""
+    import time
+
+    prints = {r: dict(PRINT) for r in range(4)}
+    prints[3]["restore_unused_param_grads"] = "disabled"
+    start = time.monotonic()
+    errors = run_hsdp_ranks(FakeStore(timeout=10.0), prints, reverse_on=reverse_on)
+    assert time.monotonic() - start < 5.0, "a rank waited for the store timeout"
+    assert errors[0] is None  # {0,1} and {0,2} agree; rank 0 learns of it from its peers' exits
+    mismatch = "restore_unused_param_grads: applied on rank {peer}, disabled on rank 3"
+    assert mismatch.format(peer=1) in str(errors[1]) and "never reported" not in str(errors[1])
+    assert mismatch.format(peer=2) in str(errors[2])
+    assert mismatch.format(peer=2) in str(errors[3]) and mismatch.format(peer=1) in str(errors[3])
+
+
 def test_differences_list_missing_items_and_truncate_long_rank_lists():
     peers = {r: dict(PRINT) for r in range(12)}
     peers[11]["torch"] = "2.12.0"
