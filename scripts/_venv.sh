@@ -16,12 +16,13 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "== installing $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
 fi
-# Editable install of this repo (activates the .pth) plus the test tools; never touches torch.
+# Editable install of this repo (activates the .pth) plus the test tools and the examples' libraries
+# (transformers, Accelerate); never touches torch.
 # Skipped when pyproject.toml has not changed since the last install (saves ~15 s per run).
 STAMP="$VENV/.fsdp_autopatch-installed"
 WANT="$(cksum < "$ROOT/pyproject.toml") $ROOT"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  pip_install -e "$ROOT[test]"
+  pip_install -e "$ROOT[test,examples]"
   echo "$WANT" > "$STAMP"
 fi
 "$VENV/bin/python" -c "import torch, fsdp_autopatch" >/dev/null 2>&1 || {

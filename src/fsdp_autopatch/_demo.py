@@ -796,7 +796,7 @@ def _print_model() -> None:
           f"bf16 params / fp32 reduce, AdamW(weight_decay={WEIGHT_DECAY}), {STEPS} steps x "
           f"{MICRO_BATCHES} micro-batches (sync on the last only; images in micro-batch "
           f"{IMAGE_MICRO_BATCH + 1} only).")
-    print(f"  vision tower: own FSDP unit, skipped by text-only micro-batches      -> bug (a)")
+    print("  vision tower: own FSDP unit, skipped by text-only micro-batches      -> bug (a)")
     print(f"  MoE experts: expert {SHARED_EXPERT} on both ranks, expert {RANK0_EXPERT} on rank 0 only, "
           f"expert {UNUSED_EXPERT} on no rank -> bugs (b), (c), (d)")
 

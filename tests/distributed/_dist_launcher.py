@@ -158,6 +158,35 @@ def _load(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def run_agents(jobs: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: Path | str | None = None) -> list[subprocess.CompletedProcess]:
+    """Start launcher commands (torchrun, accelerate launch) at once and collect their output.
+
+    Each starts its own session; on ``timeout`` (for all of them together) every session is
+    killed with its ranks and an AssertionError carries what they printed. Nothing survives a call.
+    """
+    agents = [
+        subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        for cmd, env in jobs
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for agent in agents:
+            try:
+                out, err = agent.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for a in agents:
+                    _kill_group(a)
+                out, err = agent.communicate()
+                raise AssertionError(f"timed out after {timeout:.0f} s: {agent.args}\n{out}\n{err[-3000:]}") from None
+            results.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
+    finally:
+        for agent in agents:  # a rank or grandchild left behind by a finished agent
+            _kill_group(agent)
+    return results
+
+
 def run_ranks(
     scenario: str,
     *,

@@ -9,8 +9,6 @@ environment, the way a cluster starts one agent per node.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import _dist_checks as ck
-from _dist_launcher import base_env, free_port
+from _dist_launcher import base_env, free_port, run_agents
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.launcher]
 
@@ -26,10 +24,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_vlm_moe.py"
 AGENT_TIMEOUT_S = 180
 
 
-def torchrun(node_envs: list[dict[str, str]], nproc_per_node: int) -> list[subprocess.CompletedProcess]:
-    """One torchrun agent per entry of ``node_envs``; all killed (whole sessions) on timeout."""
+def torchrun(node_envs: list[dict[str, str]], nproc_per_node: int, script: Path = SCRIPT, args: tuple[str, ...] = (),
+             timeout: float = AGENT_TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """One torchrun agent per entry of ``node_envs`` running ``script args``; all killed on timeout."""
     port = free_port()
-    agents = []
+    jobs = []
     for node_rank, extra in enumerate(node_envs):
         if len(node_envs) == 1:
             topology = ["--standalone"]
@@ -38,26 +37,9 @@ def torchrun(node_envs: list[dict[str, str]], nproc_per_node: int) -> list[subpr
                         "--master-addr=127.0.0.1", f"--master-port={port}"]
         env = base_env({"EXAMPLE_PG_TIMEOUT_S": "30", **extra})
         cmd = [sys.executable, "-m", "torch.distributed.run", *topology,
-               f"--nproc-per-node={nproc_per_node}", str(SCRIPT)]
-        agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       stdin=subprocess.DEVNULL, text=True, start_new_session=True))
-    results = []
-    try:
-        for agent in agents:
-            try:
-                out, err = agent.communicate(timeout=AGENT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(agent.pid, signal.SIGKILL)
-                out, err = agent.communicate()
-                pytest.fail(f"torchrun agent timed out\n{out}\n{err[-3000:]}")
-            results.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
-    finally:
-        for agent in agents:  # nothing left behind, whatever happened
-            try:
-                os.killpg(agent.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return results
+               f"--nproc-per-node={nproc_per_node}", str(script), *args]
+        jobs.append((cmd, env))
+    return run_agents(jobs, timeout)
 
 
 def rank_reports(results: list[subprocess.CompletedProcess]) -> dict[int, dict]:
