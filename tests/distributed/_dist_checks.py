@@ -184,12 +184,17 @@ def reference_model(kind: str, run: RunResult | None = None, params_key: str = "
             full = gather(run, lambda r: r.data[params_key])
         else:
             full = gather(run, lambda r: r.cases[case][params_key])
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if params_key == "init_params":
-                    assert torch.equal(p, full[n]), f"{n}: ranks started from different weights"
-                p.copy_(full[n])
+        load_weights(model, full, must_equal=params_key == "init_params")
     return model
+
+
+def load_weights(model: torch.nn.Module, full: dict[str, torch.Tensor], *, must_equal: bool) -> None:
+    """Copy the ranks' full weights into ``model``; ``must_equal``: they must be its initial ones."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if must_equal:
+                assert torch.equal(p, full[n]), f"{n}: ranks started from different weights"
+            p.copy_(full[n])
 
 
 def error_of(rank: RankResult, case: str) -> dict[str, str] | None:

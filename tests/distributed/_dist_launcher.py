@@ -36,6 +36,22 @@ PG_TIMEOUT_S = 30  # timeout of the gloo process group inside each rank
 _TAIL_CHARS = 4000
 
 
+def fsdp2_gloo_skip_reason() -> str | None:
+    """Why FSDP2 jobs cannot run on gloo/CPU with this torch, or None (used by the conftests)."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as e:  # pragma: no cover
+        return f"torch not importable: {e}"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "torch.distributed with gloo is not available"
+    from packaging.version import Version
+
+    if Version(Version(torch.__version__.split("+")[0]).base_version) < Version("2.8"):
+        return "FSDP2 on gloo/CPU needs torch >= 2.8"
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -116,12 +116,7 @@ def assert_full_grads_consistent(run: RunResult, case: str, full: dict) -> None:
 def reference_model(kind: str, run: RunResult, case: str, key: str = "init_params", **kw):
     """The single-process model holding the weights the ranks held in ``case``."""
     model = sc.build_model(kind, **kw)
-    held = gather_hsdp(run, case, key)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if key == "init_params":
-                assert torch.equal(p, held[name]), f"{name}: ranks started from other weights"
-            p.copy_(held[name])
+    ck.load_weights(model, gather_hsdp(run, case, key), must_equal=key == "init_params")
     return model
 
 

@@ -24,23 +24,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.models)
 
 
-def _skip_reason() -> str | None:
-    try:
-        import torch
-        import torch.distributed as dist
-    except Exception as e:  # pragma: no cover
-        return f"torch not importable: {e}"
-    if not dist.is_available() or not dist.is_gloo_available():
-        return "torch.distributed with gloo is not available"
-    import expected as ex
-
-    if ex.release_of(torch.__version__) < ex.OLDEST_RUNNABLE:
-        return "FSDP2 on gloo/CPU needs torch >= 2.8"
-    return None
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _require_gloo_fsdp2() -> None:
-    reason = _skip_reason()
+    from _dist_launcher import fsdp2_gloo_skip_reason
+
+    reason = fsdp2_gloo_skip_reason()
     if reason:
         pytest.skip(reason)

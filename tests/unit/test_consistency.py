@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
+from typing import Any
 
 import pytest
 
@@ -51,24 +53,33 @@ class FakeStore:
 PRINT = {"fsdp-autopatch": "0.1.0", "torch": "2.13.0", "restore_unused_param_grads": "applied"}
 
 
-def run_ranks(store, prints: dict[int, dict[str, str]], ranks=None):
-    """Each rank of ``prints`` runs the protocol in a thread; returns rank -> exception or None."""
-    ranks = ranks or sorted(prints)
+def run_threads(protocol_of_rank: dict[int, Any]) -> dict[int, BaseException | None]:
+    """Run each rank's protocol in a thread; returns rank -> exception or None."""
     errors: dict[int, BaseException | None] = {}
 
     def one(rank):
         try:
-            _consistency._compare_through_store(store, "fsdp_autopatch/cross_rank_check/0", rank, ranks, prints[rank])
+            protocol_of_rank[rank]()
             errors[rank] = None
         except BaseException as e:  # noqa: BLE001
             errors[rank] = e
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in prints]
+    threads = [threading.Thread(target=one, args=(r,)) for r in protocol_of_rank]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     return errors
+
+
+def run_ranks(store, prints: dict[int, dict[str, str]], ranks=None):
+    """Each rank of ``prints`` runs the protocol for one group in a thread."""
+    ranks = ranks or sorted(prints)
+    prefix = "fsdp_autopatch/cross_rank_check/0"
+    return run_threads({
+        rank: functools.partial(_consistency._compare_through_store, store, prefix, rank, ranks, prints[rank])
+        for rank in prints
+    })
 
 
 def test_equal_fingerprints_pass_with_a_constant_number_of_store_calls_per_rank():
@@ -110,28 +121,15 @@ def _hsdp_groups(rank: int) -> list[tuple[str, list[int]]]:
 
 def run_hsdp_ranks(store, prints: dict[int, dict[str, str]], *, reverse_on=()):
     """Each rank checks its two groups at once; ranks in ``reverse_on`` visit them in the other order."""
-    errors: dict[int, BaseException | None] = {}
 
-    def one(rank):
-        groups = _hsdp_groups(rank)
-        if rank in reverse_on:
-            groups.reverse()
-        comparisons = [
+    def comparisons(rank):
+        groups = _hsdp_groups(rank)[::-1] if rank in reverse_on else _hsdp_groups(rank)
+        return [
             _consistency._Comparison(store, f"fsdp_autopatch/cross_rank_check/{name}", rank, ranks, prints[rank])
             for name, ranks in groups
         ]
-        try:
-            _consistency._compare_all(comparisons)
-            errors[rank] = None
-        except BaseException as e:  # noqa: BLE001
-            errors[rank] = e
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in prints]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return errors
+    return run_threads({rank: functools.partial(_consistency._compare_all, comparisons(rank)) for rank in prints})
 
 
 @pytest.mark.parametrize("reverse_on", [(), (3,), (1, 2)])
