@@ -65,6 +65,13 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def applied_by_the_plugin() -> list[str] | None:
+    """The patches fsdp-autopatch applied in this process (None: not loaded). Not an import: the
+    .pth loaded the package at interpreter start, if it is installed."""
+    plugin = sys.modules.get("fsdp_autopatch")
+    return None if plugin is None else list(plugin.applied())
+
+
 def main() -> int:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("EXAMPLE_PG_TIMEOUT_S", "60"))))
@@ -110,8 +117,8 @@ def main() -> int:
         "problems": problems,
         "loss": [round(x, 4) for x in mean_losses.tolist()],
         "unused_expert_moved": moved,
-        # the plugin arrived through the .pth, not through this script
-        "fsdp_autopatch_loaded": "fsdp_autopatch" in sys.modules,
+        # the plugin arrived through the .pth, not through this script: what it applied
+        "fsdp_autopatch_applied": applied_by_the_plugin(),
         "torch": torch.__version__,
     }), flush=True)
     dist.destroy_process_group()
