@@ -206,6 +206,13 @@ def sync_reference(model, ref) -> None:
         r.copy_(full(p))
 
 
+def applied_by_the_plugin() -> list[str] | None:
+    """The patches fsdp-autopatch applied in this process (None: not loaded). Not an import: the
+    .pth loaded the package at interpreter start, if it is installed."""
+    plugin = sys.modules.get("fsdp_autopatch")
+    return None if plugin is None else list(plugin.applied())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), default="switch_transformers")
@@ -281,7 +288,7 @@ def main() -> int:
         "unused_expert_moved": moved,
         "token_ids": {str(r): ids_of[r][:4] for r in range(world)},
         "loss": losses,
-        "fsdp_autopatch_loaded": "fsdp_autopatch" in sys.modules,
+        "fsdp_autopatch_applied": applied_by_the_plugin(),  # via the .pth, never imported here
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }), flush=True)

@@ -17,6 +17,7 @@ ENV = {name: f"FSDP_AUTOPATCH_{name.upper()}_ENABLED" for name in PATCHES}
 
 RELEASE = ex.release_of(torch.__version__)
 EXPECTED_STATUS = ex.expected_status(RELEASE)
+EXPECTED_APPLIED = sorted(name for name, status in EXPECTED_STATUS.items() if status == "applied")
 # what each bug's scenario gives on this torch with its patch disabled (tests/expected.py)
 UNPATCHED = ex.unpatched_outcome(RELEASE)
 NATIVE_UNUSED_PARAM_API = ex.has_native_unused_param_api(RELEASE)

@@ -45,7 +45,7 @@ pytestmark = [
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_fsdp2.py"
 JOB_TIMEOUT_S = 150  # outer timeout: the launcher's whole process group is killed after it
 PG_TIMEOUT_S = "30"  # gloo timeout inside each rank (EXAMPLE_PG_TIMEOUT_S / InitProcessGroupKwargs)
-GRAD_REL_TOL = WEIGHT_ABS_TOL = 1e-5  # measured 0.0 on torch 2.13 (bf16 grads sum exactly in fp32)
+GRAD_REL_TOL = WEIGHT_ABS_TOL = 1e-5  # measured 0.0 on torch 2.13 (few bf16 summands of close magnitude)
 
 # Run under `accelerate launch`: what Accelerate makes of an FSDP2 request on CPU.
 FALLBACK_PROBE = """
@@ -245,7 +245,7 @@ def test_example_under_accelerate_launch_matches_the_single_process_reference(tm
     assert result.returncode == 0, describe([result])
     for report in reports_of(result).values():
         assert report["ok"] and report["problems"] == [], report
-        assert report["fsdp_autopatch_loaded"], report
+        assert sorted(report["fsdp_autopatch_applied"]) == ck.EXPECTED_APPLIED, report
         assert report["distributed_type"] == "MULTI_CPU" and not report["is_fsdp2"], report
         assert report["model_is_fsdp_module"], report
         # Accelerate's accumulation: a no-sync micro-batch, then a sync one, per optimizer step
@@ -285,7 +285,7 @@ def run_trainer_probe(tmp_path, extra_env=None):
 def test_trainer_on_cpu_fsdp_config_falls_back_to_ddp_but_load_time_fsdp2_runs(tmp_path):
     """Trainer on CPU: `fsdp=True, fsdp_config={"fsdp_version": 2}` ends in DDP (Accelerate drops its
     plugin); a model loaded with `distributed_config=DistributedConfig(fsdp_size=2, ...)` is FSDP2, the
-    Trainer's accumulation turns its gradient sync off and on (trainer.py:1911-1915), and with the
+    Trainer's accumulation turns its gradient sync off and on (trainer.py:1905-1916), and with the
     plugin the skipped vision encoder keeps `grad is None` and its weights under AdamW."""
     result = run_trainer_probe(tmp_path)
     assert result.returncode == 0, describe([result])
