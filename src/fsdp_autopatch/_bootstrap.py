@@ -60,6 +60,8 @@ def _install(how):
             # Respect FSDP_AUTOPATCH_ENABLED=0 at its cheapest: arm nothing at all.
             disabled_at_start = os.environ.get(KILL_SWITCH)
             return
+    if disabled_at_start is not None:
+        source = how  # an earlier call armed nothing (kill switch): this is the one that starts the plugin
     disabled_at_start = None
     if "torch" in sys.modules:
         register_hook()  # torch came first (python -S, embedded, late explicit install)

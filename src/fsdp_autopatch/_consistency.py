@@ -57,7 +57,7 @@ def fingerprint() -> dict[str, str]:
     report = REGISTRY.snapshot()
     items = {"fsdp-autopatch": report.version, "torch": str(report.torch)}
     items.update({record.name: record.status.value for record in report.patches})
-    items.update({f"policy {name}": "on" for name in sorted(report.policies)})
+    items.update({f"policy {name}": "set" for name in sorted(report.policies)})  # absent: "missing"
     return items
 
 
@@ -165,7 +165,7 @@ def _compare_all(comparisons: list[_Comparison]) -> None:
         _wait_until_every_peer_has_read(comparison)
         errors.append(RuntimeError(
             f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
-            f"{_group_of(comparison)}, so they would issue different collectives: {describe_differences(peers)}. "
+            f"{_group_of(comparison)}, so they can issue different collectives: {describe_differences(peers)}. "
             "Give every rank the same FSDP_AUTOPATCH_* environment and the same torch, or set "
             "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
         ))
@@ -197,7 +197,8 @@ def _peers_if_different(c: _Comparison) -> dict[int, dict[str, str]] | None:
             f"fsdp-autopatch cross-rank check: {_ranks(silent)} of process group {_group_of(c)} "
             f"never reported their patches ({type(error).__name__}: {error}). fsdp-autopatch is probably not "
             "active there (FSDP_AUTOPATCH_ENABLED=0, not installed in that environment, or python -S), so those "
-            "ranks would issue different collectives. Run every rank in the same environment, or set "
+            "ranks can issue different collectives, or its cross-rank check is off there "
+            "(FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on some ranks only). Run every rank in the same environment, or set "
             "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
         ) from None
     if c.store.add(f"{c.prefix}/digest/{_digest(c.items)}", 0) == len(c.ranks):

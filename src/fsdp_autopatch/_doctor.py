@@ -17,7 +17,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from . import _bootstrap
-from ._config import DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
+from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
 from ._registry import HOOK_TARGET, REGISTRY, PatchStatus
 
 PTH_NAME = "fsdp_autopatch.pth"
@@ -154,6 +154,14 @@ def _environment() -> list[Finding]:
     for variable, message in warnings:
         findings.append(Finding(
             "environment", WARNING, message, f"fix or unset {variable}"
+        ))
+    if not settings.cross_rank_check:
+        # Off on some ranks only, the ranks that still check wait for the silent ones and then
+        # blame them as "never reported": the value must be the same everywhere.
+        findings.append(Finding(
+            "environment", WARNING,
+            f"{CROSS_RANK_CHECK}=0: ranks with different patches are not stopped at the first forward",
+            f"set {CROSS_RANK_CHECK}=0 on every rank of the job or on none",
         ))
     if not settings.enabled and _bootstrap.disabled_at_start is None:
         findings.append(Finding(

@@ -81,6 +81,15 @@ def test_malformed_and_misspelled_variables_are_named_but_still_protected(torch_
     assert any("FSDP_AUTOPATCH_RESTORE_UNUSED_PARAM_GRADS_ENABLED" in w["message"] for w in warnings)  # the suggestion
 
 
+def test_cross_rank_check_off_is_a_warning_to_set_it_on_every_rank(torch_venv: Venv) -> None:
+    # off on some ranks only, the checking ranks would blame the others as "never reported"
+    code, report = doctor(torch_venv.python, env={"FSDP_AUTOPATCH_CROSS_RANK_CHECK": "0"})
+    assert code == 0, report
+    (warning,) = [f for f in by_check(report)["environment"] if f["level"] == "warning"]
+    assert "not stopped at the first forward" in warning["message"]
+    assert warning["action"] == "set FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank of the job or on none"
+
+
 def test_not_installed_in_this_interpreter(plain_venv: Venv) -> None:
     """The package importable (PYTHONPATH) from an interpreter whose site-packages lacks the .pth."""
     code, report = doctor(base_python(), env={"PYTHONPATH": str(plain_venv.site_packages)}, timeout=T_PY)

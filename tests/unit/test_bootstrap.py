@@ -94,6 +94,24 @@ def test_explicit_install_after_torch_patches_right_away(fake_torch):
     assert {p["status"] for p in data["report"]["patches"]} == {"unsupported"}
 
 
+def test_explicit_install_after_the_kill_switch_is_lifted_reports_explicit(fake_torch):
+    code = """
+        import os, json
+        import fsdp_autopatch._bootstrap as bootstrap
+        bootstrap.install("pth")           # at start-up, with FSDP_AUTOPATCH_ENABLED=0: arms nothing
+        os.environ["FSDP_AUTOPATCH_ENABLED"] = "1"
+        import fsdp_autopatch
+        fsdp_autopatch.install()           # the program lifts the switch and starts the plugin itself
+        import torch.distributed.fsdp
+        print(json.dumps(fsdp_autopatch.status().to_dict()))
+    """
+    result = run(code, fake_torch, FSDP_AUTOPATCH_ENABLED="0")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["bootstrap"] == "explicit"
+    assert {p["status"] for p in report["patches"]} == {"unsupported"}  # armed: the hook ran
+
+
 def test_bad_values_warn_only_when_the_hook_runs(fake_torch):
     quiet = run("import fsdp_autopatch._bootstrap as b; b.install('pth')", fake_torch, FSDP_AUTOPATCH_STRICT="maybe")
     assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""

@@ -172,7 +172,7 @@ def test_fingerprint_has_versions_statuses_and_policies_not_reasons(monkeypatch)
     finally:
         REGISTRY.reset()
     assert items["uniform_reduce_dtype"] == "applied"
-    assert items["policy reduce_scatter_unused_params_default_on"] == "on"
+    assert items["policy reduce_scatter_unused_params_default_on"] == "set"
     assert "fsdp-autopatch" in items and "torch" in items
     assert not any("reason" in v for v in items.values())
 
