@@ -136,11 +136,6 @@ def _digest(items: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _compare_through_store(store: Any, prefix: str, rank: int, ranks: list[int], items: dict[str, str]) -> None:
-    """One group's comparison (the store protocol below, for a single group)."""
-    _compare_all([_Comparison(store, prefix, rank, ranks, items)])
-
-
 def _compare_all(comparisons: list[_Comparison]) -> None:
     """Report to every group first, then wait and compare, then raise everything found.
 

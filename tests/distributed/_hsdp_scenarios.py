@@ -122,13 +122,20 @@ def case_grad_guard(ctx: sc.Ctx, mesh) -> None:
         rec["grads"] = sc.grads_local(model)
 
 
-def case_routing(ctx: sc.Ctx, mesh) -> None:
-    """(b) one FSDP unit, rank r uses expert r: torch's own (2.13+) or the backported fill."""
+def experts_unit_with_fill(mesh, n_experts: int):
+    """One FSDP unit holding ``n_experts`` experts on the HSDP mesh, unused-param fill on."""
     from torch.distributed.fsdp import fully_shard
 
-    model = sc.build_model("experts", n_experts=ROUTING_EXPERTS)
+    model = sc.build_model("experts", n_experts=n_experts)
     fully_shard(model, mesh=mesh)
     model.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def case_routing(ctx: sc.Ctx, mesh) -> None:
+    """(b) one FSDP unit, rank r uses expert r: torch's own (2.13+) or the backported fill."""
+
+    model = experts_unit_with_fill(mesh, ROUTING_EXPERTS)
     with ctx.case("routing") as rec:
         rec["group_flags"] = sc.group_flags(model)
         rec["init_params"] = sc.params_local(model)
@@ -165,11 +172,8 @@ def case_fill_zero(ctx: sc.Ctx, mesh) -> None:
 
 def case_restore(ctx: sc.Ctx, mesh) -> None:
     """(d) fill on, AdamW(weight_decay=0.1): warm-up step, then RESTORE_STEP1 (expert 2 unused)."""
-    from torch.distributed.fsdp import fully_shard
 
-    model = sc.build_model("experts", n_experts=RESTORE_EXPERTS)
-    fully_shard(model, mesh=mesh)
-    model.set_reduce_scatter_unused_params(True)
+    model = experts_unit_with_fill(mesh, RESTORE_EXPERTS)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     with ctx.case("restore_warmup") as rec:
         rec["init_params"] = sc.params_local(model)
@@ -191,11 +195,8 @@ def case_restore(ctx: sc.Ctx, mesh) -> None:
 
 def case_window(ctx: sc.Ctx, mesh) -> None:
     """Fill on, ``set_requires_all_reduce(False)`` on micro-batch 0 (the window), fp32."""
-    from torch.distributed.fsdp import fully_shard
 
-    model = sc.build_model("experts", n_experts=WINDOW_EXPERTS)
-    fully_shard(model, mesh=mesh)
-    model.set_reduce_scatter_unused_params(True)
+    model = experts_unit_with_fill(mesh, WINDOW_EXPERTS)
     with ctx.case("window") as rec:
         rec["init_params"] = sc.params_local(model)
         n_mb = 2

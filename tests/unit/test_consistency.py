@@ -77,7 +77,7 @@ def run_ranks(store, prints: dict[int, dict[str, str]], ranks=None):
     ranks = ranks or sorted(prints)
     prefix = "fsdp_autopatch/cross_rank_check/0"
     return run_threads({
-        rank: functools.partial(_consistency._compare_through_store, store, prefix, rank, ranks, prints[rank])
+        rank: functools.partial(_consistency._compare_all, [_consistency._Comparison(store, prefix, rank, ranks, prints[rank])])
         for rank in prints
     })
 
