@@ -41,7 +41,7 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # One warning per variable per process, however often the settings are read.
-_warned: set[str] = set()
+_warned: "set[str]" = set()
 
 
 class ConfigWarning(UserWarning):
@@ -93,7 +93,7 @@ def warn(variable: str, message: str) -> None:
 _SHOWN_MAX = 64
 
 
-def _shown(value: str | None) -> str:
+def _shown(value: "str | None") -> str:
     """``value`` as given, or its start and its length if it is longer than ``_SHOWN_MAX``."""
     if value is None or len(value) <= _SHOWN_MAX:
         return str(value)
