@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any
 
+from . import _bootstrap
 from ._config import PATCH_NAMES, REDUCE_SCATTER_UNUSED_PARAMS, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
 
@@ -29,17 +30,31 @@ def activate(module: Any = None) -> None:
         settings = _read_settings_safely()
         _configure_logging(settings)
         REGISTRY.record_torch_version(_torch_version())
-        try:
-            from .patches import load_patches
-
-            patches = load_patches()
-        except Exception as error:
-            _fail_all(f"loading the patches failed: {type(error).__name__}: {error}", settings)
-            return
-        for patch in patches:
-            _apply_isolated(patch, settings)
+        for name in PATCH_NAMES:
+            patch = _load_isolated(name, settings)
+            if patch is not None:
+                _apply_isolated(patch, settings)
         _apply_policies(settings)
         _apply_cross_rank_check(settings)
+
+
+def _load_isolated(name: str, settings: Settings) -> Any:
+    """The patch's declaration, or None when its module does not import (recorded as failed).
+
+    One module at a time: a patch module that fails on this interpreter costs only that patch.
+    """
+    try:
+        from . import patches
+
+        return patches.load_patch(name)
+    except Exception as error:
+        status, _ = REGISTRY.get(name)
+        if status is PatchStatus.PENDING:
+            where = _bootstrap.our_module_in(error)
+            _record(name, PatchStatus.FAILED, f"loading the patch failed in {where}: {type(error).__name__}: {error}")
+        if settings.strict:
+            raise
+        return None
 
 
 def _read_settings_safely() -> Settings:
@@ -120,12 +135,13 @@ def _apply_cross_rank_check(settings: Settings) -> None:
     """Every rank of a process group must run the same patches (see ``_consistency``)."""
     if not settings.cross_rank_check:
         return
-    from . import _consistency
-
     try:
+        from . import _consistency
+
         REGISTRY.record_policy(_consistency.NAME, _consistency.apply())
     except Exception as error:  # the check is a safety net: never a reason for import torch to fail
-        REGISTRY.record_policy(_consistency.NAME, f"not armed: {type(error).__name__}: {error}")
+        where = _bootstrap.our_module_in(error)
+        REGISTRY.record_policy("cross_rank_check", f"not armed: {type(error).__name__}: {error} (in {where})")
         logger.debug("cross-rank check not armed", exc_info=True)
 
 
@@ -136,19 +152,6 @@ def _record(name: str, status: PatchStatus, reason: str, verdict: Any = None) ->
     REGISTRY.record(name, status, reason, decided_by)
     level = logging.WARNING if status is PatchStatus.FAILED else logging.INFO
     logger.log(level, "%s: %s (%s)", name, status.value, reason)
-
-
-def _fail_all(reason: str, settings: Settings) -> None:
-    for name in PATCH_NAMES:
-        _record(name, PatchStatus.FAILED, reason)
-    if settings.strict:
-        raise RuntimeError(f"fsdp-autopatch: {reason}")
-
-
-def record_unavailable(reason: str) -> None:
-    """The hook could not be armed at all (e.g. wrapt missing): every patch is unsupported."""
-    for name in PATCH_NAMES:
-        REGISTRY.record(name, PatchStatus.UNSUPPORTED, reason)
 
 
 def _configure_logging(settings: Settings) -> None:

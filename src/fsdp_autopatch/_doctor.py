@@ -182,8 +182,17 @@ def _torch_and_patches() -> list[Finding]:
     if error is not None:
         return [Finding("torch", PROBLEM, f"torch {version}: {error}", "use torch >= 2.6 (FSDP2); see docs/compatibility.md")]
     findings = [Finding("torch", OK, f"torch {version}, FSDP2 at {HOOK_TARGET}")]
+    if _bootstrap.hook_failure is not None:
+        findings.append(Finding(
+            "hook", PROBLEM,
+            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({_bootstrap.hook_failure}); "
+            "your import went on, torch is untouched by the patches that did not apply",
+            f"report it with `fsdp-autopatch doctor --json` (Python {sys.version.split()[0]}); "
+            "meanwhile use a fsdp-autopatch release that works on this interpreter",
+        ))
     report = REGISTRY.snapshot()
     armed = _bootstrap.source is not None and _bootstrap.disabled_at_start is None
+    findings += _policy_findings(report.policies)
     for record in report.patches:
         finding = _patch_finding(record)
         if not armed and finding.level == OK:
@@ -207,6 +216,20 @@ def _patch_finding(record: Any) -> Finding:
     if status is PatchStatus.FAILED:
         return Finding(record.name, PROBLEM, f"failed: {record.reason}", "report this with `fsdp-autopatch doctor --json`")
     return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
+
+
+# A policy whose description starts like this did not do what was asked (see _activate).
+_POLICY_NOT_IN_FORCE = ("not armed", "failed", "requested but not applied")
+
+
+def _policy_findings(policies: dict[str, str]) -> list[Finding]:
+    findings = []
+    for name, description in policies.items():
+        if description.startswith(_POLICY_NOT_IN_FORCE):
+            findings.append(Finding(
+                f"policy {name}", WARNING, description, "report this with `fsdp-autopatch doctor --json`"
+            ))
+    return findings
 
 
 def _how_to_enable(record: Any) -> str:
@@ -238,9 +261,8 @@ def _import_fsdp2() -> str | None:
     if HOOK_TARGET not in sys.modules:
         return f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)"
     if all(r.status is PatchStatus.PENDING for r in REGISTRY.snapshot().patches) and _bootstrap.disabled_at_start is None:
-        from ._activate import activate
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConfigWarning)
-            activate(sys.modules[HOOK_TARGET])  # what the patches would do had the bootstrap run
+            # what the patches would do had the bootstrap run (the hook never raises, but strict)
+            _bootstrap.on_fsdp_import(sys.modules[HOOK_TARGET])
     return None

@@ -102,6 +102,13 @@ class Registry:
         with self._lock:
             self._records[name] = (PatchStatus(status), reason, decided_by)
 
+    def settle_pending(self, status: PatchStatus | str, reason: str) -> None:
+        """Give every patch still pending ``status`` (the hook failed, or could not be armed)."""
+        with self._lock:
+            for name, (current, _, _) in list(self._records.items()):
+                if current is PatchStatus.PENDING:
+                    self._records[name] = (PatchStatus(status), reason, "")
+
     def record_policy(self, name: str, description: str) -> None:
         with self._lock:
             self._policies[name] = description
@@ -143,10 +150,8 @@ def _torch_version_without_import() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None:
         return str(getattr(torch, "__version__", "unknown"))
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover - Python < 3.8
-        return None
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("torch")
     except PackageNotFoundError:

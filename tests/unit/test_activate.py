@@ -47,7 +47,8 @@ def registry(monkeypatch):
 
 
 def install_fakes(monkeypatch, fakes):
-    monkeypatch.setattr(patches_package, "load_patches", lambda: tuple(f.as_patch() for f in fakes))
+    by_name = {fake.name: fake.as_patch() for fake in fakes}
+    monkeypatch.setattr(patches_package, "load_patch", by_name.__getitem__)
 
 
 def statuses(registry):
@@ -137,9 +138,39 @@ def test_env_toggles_are_read_when_the_hook_runs(monkeypatch, registry):
 
 
 def test_broken_patch_package_fails_every_patch_without_raising(monkeypatch, registry):
-    def explode():
+    def explode(name):
         raise ImportError("wrapt is broken")
 
-    monkeypatch.setattr(patches_package, "load_patches", explode)
+    monkeypatch.setattr(patches_package, "load_patch", explode)
     _activate.activate()
     assert set(statuses(registry).values()) == {PatchStatus.FAILED}
+
+
+def test_a_patch_module_that_does_not_import_costs_only_that_patch(monkeypatch, registry):
+    log = []
+    fakes = {name: FakePatch(name, log).as_patch() for name in PATCH_NAMES}
+    broken = PATCH_NAMES[1]
+
+    def load(name):
+        if name == broken:
+            raise TypeError("unsupported operand type(s) for |: 'type' and 'NoneType'")
+        return fakes[name]
+
+    monkeypatch.setattr(patches_package, "load_patch", load)
+    _activate.activate()
+    got = statuses(registry)
+    assert got.pop(broken) is PatchStatus.FAILED
+    assert set(got.values()) == {PatchStatus.APPLIED}
+    assert "TypeError: unsupported operand" in registry.snapshot()[broken].reason
+
+
+def test_a_patch_module_that_does_not_import_raises_under_strict(monkeypatch, registry):
+    monkeypatch.setenv("FSDP_AUTOPATCH_STRICT", "1")
+
+    def explode(name):
+        raise TypeError("injected")
+
+    monkeypatch.setattr(patches_package, "load_patch", explode)
+    with pytest.raises(TypeError, match="injected"):
+        _activate.activate()
+    assert registry.snapshot()[PATCH_NAMES[0]].status is PatchStatus.FAILED

@@ -25,9 +25,14 @@ class Patch(NamedTuple):
     revert: Callable[[], None]  # undo (tests)
 
 
+def load_patch(name: str) -> Patch:
+    """Import one patch module (it imports torch internals) and return its ``PATCH``."""
+    return importlib.import_module(f"{__name__}.{name}").PATCH
+
+
 def load_patches() -> tuple[Patch, ...]:
-    """Import the patch modules (they import torch internals) and return their ``PATCH``es in order."""
-    return tuple(importlib.import_module(f"{__name__}.{name}").PATCH for name in PATCH_NAMES)
+    """Every patch's ``PATCH``, in the order they are applied."""
+    return tuple(load_patch(name) for name in PATCH_NAMES)
 
 
-__all__ = ["PATCH_NAMES", "Patch", "load_patches"]
+__all__ = ["PATCH_NAMES", "Patch", "load_patch", "load_patches"]
