@@ -22,6 +22,11 @@ Usage (from the repository root; stdlib only, any Python >= 3.9 with venv and pi
     python3 scripts/matrix.py                        # all releases, results in .artifacts/matrix
     python3 scripts/matrix.py --releases 2.12 2.15   # a subset
     python3 scripts/matrix.py --update-docs          # also rewrite the table in docs/compatibility.md
+    python3 scripts/matrix.py --python 3.12 --releases 2.13   # venvs from another interpreter
+
+``--python`` takes a version (resolved to pyenv's build, see scripts/_pythons.py) or a path; the
+interpreter's version is recorded in each row. ``--report-only RUNS... --python-docs`` writes the
+"Python versions" table (one row per interpreter and torch) into docs/compatibility.md.
 
 Exit status 0 when every release matches its expectations. Pip here caps torch at 2.14.1
 (``/etc/xdg/pip/constraints.txt``); the installs set ``PIP_CONSTRAINT=/dev/null`` to lift it.
@@ -44,6 +49,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from _pythons import python_version, resolve_python
+
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
 TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy")
@@ -51,6 +58,7 @@ INSTALL_TIMEOUT = 45 * 60
 REGISTRY_TIMEOUT = 10 * 60
 TESTS_TIMEOUT = 60 * 60
 BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
+PY_BEGIN, PY_END = "<!-- python-matrix:begin -->", "<!-- python-matrix:end -->"
 
 REGISTRY_PROBE = r"""
 import json, platform
@@ -290,7 +298,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         tests = r.get("tests")
         t = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else "—"
         lines.append(
-            f"| {reg.get('torch', r['release'] + ' (install failed)')} | {reg.get('python', '—')} | {r['mode']} | "
+            f"| {reg.get('torch', r['release'] + ' (install failed)')} | {row_python(r)} | {r['mode']} | "
             + " | ".join(status_cell(r, p) for p in EXPECTED.PATCHES)
             + f" | {t} |"
         )
@@ -315,25 +323,52 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_docs(table: str) -> None:
+def update_docs(table: str, begin: str = BEGIN, end: str = END) -> None:
     doc = ROOT / "docs" / "compatibility.md"
     text = doc.read_text()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{begin}\n{table}{end}{tail}")
     log(f"updated {doc.relative_to(ROOT)}")
 
 
-def report_only(files: list[Path], out: Path, docs: bool) -> int:
-    by_release: dict[str, dict] = {}
+def row_python(result: dict) -> str:
+    return result.get("python") or result.get("registry", {}).get("python", "?")
+
+
+def python_markdown(results: list[dict]) -> str:
+    """One row per interpreter x torch: did the registry match, the tests' counts, the minutes."""
+    lines = [
+        "| Python | torch | registry | tests (passed / failed / skipped) | minutes (install + tests) | measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: (_version_key(row_python(r)), EXPECTED.release_of(r["release"]))):
+        reg, tests = r.get("registry", {}), r.get("tests")
+        registry = "install failed" if not r["install"]["ok"] else ("matches" if reg.get("ok") else "**MISMATCH**")
+        counts = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else "— (structural checks only)"
+        test_s = reg.get("seconds", 0) + (tests["seconds"] if tests else 0)
+        lines.append(
+            f"| {row_python(r)} | {reg.get('torch', r['release'])} | {registry} | {counts} | "
+            f"{r['install']['seconds'] / 60:.1f} + {test_s / 60:.1f} | {r.get('measured', '')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def report_only(files: list[Path], out: Path, docs: bool, python_docs: bool = False) -> int:
+    by_row: dict[tuple[str, str], dict] = {}
     metas = []
     for path in files:
         data = json.loads(path.read_text())
         metas.append(data["meta"])
         for result in data["results"]:
             result.setdefault("measured", f"{data['meta']['date']}, commit {data['meta']['commit']}")
-            by_release[result["release"]] = result
-    results = [by_release[r] for r in sorted(by_release, key=EXPECTED.release_of)]
+            # a later file's row replaces an earlier one's for the same torch on the same Python
+            by_row[(result["release"], row_python(result))] = result
+    results = [by_row[k] for k in sorted(by_row, key=lambda k: (EXPECTED.release_of(k[0]), _version_key(k[1])))]
     commits = sorted({m["commit"] for m in metas})
     meta = {
         **metas[-1],
@@ -349,9 +384,12 @@ def report_only(files: list[Path], out: Path, docs: bool) -> int:
             f"torch {r.get('registry', {}).get('torch', r['release'])}: {r['measured']}" for r in results
         ) + ".\n"
     (out / "matrix.md").write_text(table)
+    (out / "python.md").write_text(python_markdown(results))
     if docs:
         update_docs(table)
-    log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}")
+    if python_docs:
+        update_docs(python_markdown(results), PY_BEGIN, PY_END)
+    log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}, {out / 'python.md'}")
     return 0 if all(r["ok"] for r in results) else 1
 
 
@@ -367,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--releases", nargs="+", default=list(RELEASES), metavar="2.N", help="torch minor releases (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / ".artifacts" / "matrix", help="results and logs (default: .artifacts/matrix)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the throwaway venvs go (default: a temporary directory)")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter the venvs are made from")
+    parser.add_argument(
+        "--python", default=sys.executable,
+        help="the interpreter the venvs are made from: a version (3.12: pyenv's build) or a path (default: this one)",
+    )
     parser.add_argument("--keep-venvs", action="store_true", help="do not delete each venv after its release")
     parser.add_argument("--update-docs", action="store_true", help="rewrite the measured table in docs/compatibility.md")
     parser.add_argument(
@@ -375,9 +416,16 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: merge earlier matrix.json files (a later file's release replaces an earlier one's) "
         "and write the table, e.g. after re-running one release",
     )
+    parser.add_argument("--python-docs", action="store_true", help="with --report-only: rewrite the Python versions table")
     args = parser.parse_args(argv)
     if args.report_only:
-        return report_only(args.report_only, args.out, args.update_docs)
+        return report_only(args.report_only, args.out, args.update_docs, args.python_docs)
+    try:
+        python = resolve_python(args.python)
+        version = python_version(python)
+    except (ValueError, OSError, subprocess.SubprocessError) as exc:
+        sys.exit(f"--python {args.python}: {exc}")
+    log(f"venvs from Python {version} ({python})")
 
     started = time.monotonic()
     out, logs = args.out, args.out / "logs"
@@ -393,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     def prepare(release: str):
         log(f"{release}: installing torch=={release}.* into a fresh venv")
         venv = workdir / f"venv-{release}"
-        return venv, install(release, venv, wheel, logs, args.python)
+        return venv, install(release, venv, wheel, logs, python)
 
     # install release i+1 while release i is tested: pip is network/disk bound, the tests CPU bound
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -403,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             if i + 1 < len(releases):
                 pending = pool.submit(prepare, releases[i + 1])
             runnable = EXPECTED.release_of(release) >= EXPECTED.OLDEST_RUNNABLE
-            result = test_release(release, venv, installed, logs, scratch, runnable)
+            result = {"python": version, **test_release(release, venv, installed, logs, scratch, runnable)}
             results.append(result)
             log(f"{release}: {'OK' if result['ok'] else 'MISMATCH'} (venv {installed['venv_mb']} MB)")
             if not args.keep_venvs:
@@ -417,12 +465,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} Linux, {os.cpu_count()} CPUs, no GPU",
         "plugin": wheel.name.split("-")[1],
         "commit": git_commit(),
+        "python": version,
         "wall_minutes": round((time.monotonic() - started) / 60, 1),
         "max_venv_mb": max((r["install"]["venv_mb"] for r in results), default=0),
     }
+    for result in results:
+        result["measured"] = f"{meta['date']}, commit {meta['commit']}"
     (out / "matrix.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     table = markdown(results, meta)
     (out / "matrix.md").write_text(table)
+    (out / "python.md").write_text(python_markdown(results))
     if args.update_docs:
         update_docs(table)
     log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}; {meta['wall_minutes']} min")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,13 @@ from typing import Mapping, Sequence
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TORCH_REQUIREMENT = "torch==2.13.0"  # on this machine pip takes it from local disk (/opt/wheels)
+# Which interpreter the venvs are made from and which torch goes into them. By default the test
+# runner's own interpreter and torch 2.13.0 (on this machine pip takes it from local disk, cp311
+# only); e.g. FSDP_TEST_PYTHON=$(pyenv root)/versions/3.12.1/bin/python3 takes torch 2.13.0 from
+# PyPI (~4.7 GB). The expectations below are torch 2.13's (2.14 gives the same).
+# Not FSDP_AUTOPATCH_*: the plugin warns about unknown variables with its prefix.
+TEST_PYTHON = os.environ.get("FSDP_TEST_PYTHON", "").strip()
+TORCH_REQUIREMENT = os.environ.get("FSDP_TEST_TORCH", "").strip() or "torch==2.13.0"
 
 PATCH_NAMES = (
     "accumulated_grad_guard",
@@ -52,7 +59,7 @@ T_PY = 60  # an interpreter that does not import torch
 T_TORCH = 240  # an interpreter that imports torch.distributed.fsdp
 T_VENV = 300  # python -m venv (runs ensurepip)
 T_PIP = 600  # pip install of small packages, editable builds
-T_PIP_TORCH = 1200  # pip install torch (a ~200 MB wheel from local disk)
+T_PIP_TORCH = 1200  # pip install torch (a ~200 MB wheel from local disk; ~1 min for 4.7 GB from PyPI)
 T_BUILD = 600  # python -m build --wheel (isolated build env with hatchling)
 
 # Variables of the test runner's own environment that must not leak into the children.
@@ -141,7 +148,13 @@ def describe(result: subprocess.CompletedProcess) -> str:
 
 
 def base_python() -> str:
-    """The interpreter behind the test run's venv (python -m venv from a venv nests oddly)."""
+    """``FSDP_TEST_PYTHON`` (a path or a command), else the interpreter behind the test run's venv
+    (python -m venv from a venv nests oddly)."""
+    if TEST_PYTHON:
+        found = shutil.which(TEST_PYTHON)
+        if found is None:
+            pytest.fail(f"FSDP_TEST_PYTHON={TEST_PYTHON!r}: no such interpreter", pytrace=False)
+        return found
     return getattr(sys, "_base_executable", None) or sys.executable
 
 

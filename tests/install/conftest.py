@@ -7,6 +7,9 @@ Session-scoped, built on first use and shared by every test that needs them:
 * ``plain_venv``   - a fresh venv with the wheel and no torch.
 * ``editable_venv`` - a fresh venv with ``pip install -e`` of a copy of this repository.
 
+The venvs are made from ``FSDP_TEST_PYTHON`` and get ``FSDP_TEST_TORCH`` when those are set
+(see ``_install_support``), e.g. to run these tests on Python 3.12 with torch from PyPI.
+
 The helper module ``_install_support`` is imported by name, so this folder goes on ``sys.path``
 whatever pytest's import mode.
 """

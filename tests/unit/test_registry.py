@@ -1,12 +1,22 @@
 """The registry and its JSON form."""
 
+import importlib.util
 import json
+
+import pytest
 
 from fsdp_autopatch import _bootstrap
 from fsdp_autopatch._config import PATCH_NAMES
 from fsdp_autopatch._registry import PatchStatus, Registry, StatusReport
 
+# Without torch a patch can never leave "pending", so the snapshot reports it as unsupported
+# ("torch is not installed"); scripts/interpreters.py runs these tests in venvs without torch.
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="pending reads as unsupported without torch"
+)
 
+
+@needs_torch
 def test_every_patch_starts_pending_in_order():
     report = Registry().snapshot()
     assert [r.name for r in report.patches] == list(PATCH_NAMES)
@@ -51,6 +61,7 @@ def test_report_lookup_by_name_and_torch_version_recorded():
     assert report["restore_unused_param_grads"].status is PatchStatus.PENDING
 
 
+@needs_torch
 def test_reset_returns_everything_to_pending():
     registry = Registry()
     registry.record("accumulated_grad_guard", PatchStatus.FAILED, "x")
