@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from . import _bootstrap
+from . import _hook
 from ._config import PATCH_NAMES, REDUCE_SCATTER_UNUSED_PARAMS, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
 
@@ -50,7 +50,7 @@ def _load_isolated(name: str, settings: Settings) -> Any:
     except Exception as error:
         status, _ = REGISTRY.get(name)
         if status is PatchStatus.PENDING:
-            where = _bootstrap.our_module_in(error)
+            where = _hook.our_module_in(error)
             _record(name, PatchStatus.FAILED, f"loading the patch failed in {where}: {type(error).__name__}: {error}")
         if settings.strict:
             raise
@@ -140,7 +140,7 @@ def _apply_cross_rank_check(settings: Settings) -> None:
 
         REGISTRY.record_policy(_consistency.NAME, _consistency.apply())
     except Exception as error:  # the check is a safety net: never a reason for import torch to fail
-        where = _bootstrap.our_module_in(error)
+        where = _hook.our_module_in(error)
         REGISTRY.record_policy("cross_rank_check", f"not armed: {type(error).__name__}: {error} (in {where})")
         logger.debug("cross-rank check not armed", exc_info=True)
 

@@ -23,17 +23,12 @@ import sys
 # (bench/startup.py, docs/performance.md).
 KILL_SWITCH = "FSDP_AUTOPATCH_ENABLED"
 
-STRICT = "FSDP_AUTOPATCH_STRICT"  # the same as ``_config.STRICT``
-
 HOOK_TARGET = "torch.distributed.fsdp._fully_shard"
 
 # How the plugin started in this process: "pth", "start", "explicit"; None = not yet.
 source = None
 # The FSDP_AUTOPATCH_ENABLED value that stopped the bootstrap from arming anything, or None.
 disabled_at_start = None
-# When our own code raised inside the FSDP2 import hook: "<our module>: <Type>: <message>", else None.
-# Kept here because the module that failed may be the registry itself.
-hook_failure = None
 _hook_registered = False
 
 
@@ -158,76 +153,27 @@ class _ArmBeforeExec:
 def register_hook():
     """Register the wrapt post-import hook on torch's FSDP2 once; fires now if already imported."""
     global _hook_registered
+    from . import _hook  # stdlib only; here, not at interpreter start: only torch processes need it
+
     if _hook_registered:
         # Already armed; if FSDP2 is already imported the patches ran, but an explicit install()
         # after the first activation should still (idempotently) patch anything left pending.
         if HOOK_TARGET in sys.modules:
-            on_fsdp_import(sys.modules[HOOK_TARGET])
+            _hook.on_fsdp_import(sys.modules[HOOK_TARGET])
         return
     try:
         import wrapt
     except Exception as error:  # wrapt missing or broken: say so in the registry, not on stderr
-        _record_every_patch("unsupported", f"wrapt could not be imported ({type(error).__name__}: {error})")
+        _hook.record_every_patch("unsupported", f"wrapt could not be imported ({type(error).__name__}: {error})")
         return
     _hook_registered = True
     # A wrapt that imports but cannot register the hook (a broken or incompatible install) must
     # not leave every patch `pending` forever although FSDP2 was imported: record why.
     try:
-        # The hook is this module's function, not a "module:function" string: wrapt would import
-        # that module inside the user's import, and an error there would fail the user's import.
-        wrapt.register_post_import_hook(on_fsdp_import, HOOK_TARGET)
+        # The hook is a function, not a "module:function" string: wrapt would import that module
+        # inside the user's import, and an error there would fail the user's import.
+        wrapt.register_post_import_hook(_hook.on_fsdp_import, HOOK_TARGET)
     except Exception as error:
-        _record_every_patch("unsupported", f"wrapt could not register the import hook ({type(error).__name__}: {error})")
-
-
-def on_fsdp_import(module):
-    """The post-import hook: apply the patches; nothing of ours escapes into the user's import.
-
-    wrapt lets a hook's exception fail the import it is attached to, so every error from our code
-    (a module of ours that does not import on this interpreter, a bug in a check, an apply or the
-    registry) is caught here and recorded: every patch not yet decided becomes ``failed``, with the
-    module of ours that raised. Only ``FSDP_AUTOPATCH_STRICT=1`` re-raises.
-    """
-    global hook_failure
-    try:
-        from ._activate import activate
-
-        activate(module)
-    except Exception as error:
-        hook_failure = f"{our_module_in(error)}: {type(error).__name__}: {error}"
-        _record_every_patch("failed", f"fsdp-autopatch's own code raised in the FSDP2 import hook ({hook_failure}); torch left untouched by it")
-        if _strict():
-            raise
-
-
-def _strict():
-    """``FSDP_AUTOPATCH_STRICT`` read here, without ``_config``: that module may be what broke."""
-    return os.environ.get(STRICT, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def our_module_in(error):
-    """The innermost module of this package in ``error``'s traceback (or the file that failed to
-    compile), e.g. ``fsdp_autopatch._config``; ``fsdp_autopatch`` when none is found."""
-    package_dir = os.path.dirname(os.path.abspath(__file__))
-    filenames = [getattr(error, "filename", None)] if isinstance(error, SyntaxError) else []
-    tb = error.__traceback__
-    while tb is not None:
-        filenames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    for filename in reversed(filenames):
-        if filename and os.path.abspath(filename).startswith(package_dir + os.sep):
-            relative = os.path.splitext(os.path.relpath(os.path.abspath(filename), package_dir))[0]
-            parts = [part for part in relative.split(os.sep) if part != "__init__"]
-            return ".".join([__package__ or "fsdp_autopatch", *parts])
-    return __package__ or "fsdp_autopatch"
-
-
-def _record_every_patch(status, reason):
-    """Mark every patch not yet decided with ``status``; silent if the registry itself is broken
-    (``hook_failure`` and the CLI still say what broke)."""
-    try:
-        from ._registry import REGISTRY
-
-        REGISTRY.settle_pending(status, reason)
-    except Exception:
-        pass
+        _hook.record_every_patch(
+            "unsupported", f"wrapt could not register the import hook ({type(error).__name__}: {error})"
+        )

@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import Any, NamedTuple
 
-from . import _bootstrap
+from . import _bootstrap, _hook
 from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
 from ._registry import HOOK_TARGET, REGISTRY, PatchStatus
 
@@ -182,10 +182,10 @@ def _torch_and_patches() -> list[Finding]:
     if error is not None:
         return [Finding("torch", PROBLEM, f"torch {version}: {error}", "use torch >= 2.6 (FSDP2); see docs/compatibility.md")]
     findings = [Finding("torch", OK, f"torch {version}, FSDP2 at {HOOK_TARGET}")]
-    if _bootstrap.hook_failure is not None:
+    if _hook.hook_failure is not None:
         findings.append(Finding(
             "hook", PROBLEM,
-            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({_bootstrap.hook_failure}); "
+            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({_hook.hook_failure}); "
             "your import went on, torch is untouched by the patches that did not apply",
             f"report it with `fsdp-autopatch doctor --json` (Python {sys.version.split()[0]}); "
             "meanwhile use a fsdp-autopatch release that works on this interpreter",
@@ -264,5 +264,5 @@ def _import_fsdp2() -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConfigWarning)
             # what the patches would do had the bootstrap run (the hook never raises, but strict)
-            _bootstrap.on_fsdp_import(sys.modules[HOOK_TARGET])
+            _hook.on_fsdp_import(sys.modules[HOOK_TARGET])
     return None

@@ -96,4 +96,4 @@ def test_metadata_and_console_script(wheel: Path) -> None:
     assert "torch" not in bare, requires
     entry_points = _read(wheel, f"{dist_info}/entry_points.txt")
     assert "[console_scripts]" in entry_points
-    assert "fsdp-autopatch = fsdp_autopatch._cli:main" in entry_points, entry_points
+    assert "fsdp-autopatch = fsdp_autopatch.__main__:main" in entry_points, entry_points

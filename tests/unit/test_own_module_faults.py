@@ -119,6 +119,12 @@ def test_our_start_up_module_raising_leaves_the_import_working(tmp_path, module)
     assert report == {"error": f"TypeError: {INJECTED}"}  # nothing armed; status cannot be asked
 
 
+def test_the_hook_module_raising_leaves_the_import_working_and_patches_pending(tmp_path):
+    src, fake = broken_copy(tmp_path, "fsdp_autopatch._hook", "TypeError")
+    report = run_user_program(src, fake)
+    assert {p["status"] for p in report["patches"]} == {"pending"}  # nothing could be armed
+
+
 def test_strict_re_raises_from_the_hook(tmp_path):
     src, fake = broken_copy(tmp_path, "fsdp_autopatch._activate", "TypeError")
     result = run_child(PROGRAM.format(src=str(src)), path=[fake, src], env={"FSDP_AUTOPATCH_STRICT": "1"})

@@ -1,0 +1,68 @@
+"""The post-import hook on torch's FSDP2: apply the patches, and let nothing of ours escape.
+
+wrapt lets a post-import hook's exception fail the import it is attached to: the user's
+``import torch.distributed.fsdp``. So this module is standard library only (it must import on every
+interpreter the package admits), imports the rest of the package only inside ``on_fsdp_import``,
+and catches every exception our code raises there: a module of ours that does not import on this
+interpreter, a bug in a check, an apply or the registry. The failure is recorded (every patch not
+yet decided becomes ``failed``, naming the module of ours that raised) and the import goes on with
+torch untouched by every patch that did not apply. Only ``FSDP_AUTOPATCH_STRICT=1`` re-raises.
+
+Imported by the bootstrap when torch starts executing, never at interpreter start.
+"""
+
+import os
+
+STRICT = "FSDP_AUTOPATCH_STRICT"  # the same as ``_config.STRICT``, which may be what broke
+_PACKAGE = __name__.rsplit(".", 1)[0]
+
+# When our own code raised inside the hook: "<our module>: <Type>: <message>", else None. Kept in
+# this module because the module that failed may be the registry itself.
+hook_failure = None
+
+
+def on_fsdp_import(module):
+    """wrapt's post-import hook for ``torch.distributed.fsdp._fully_shard``."""
+    global hook_failure
+    try:
+        from ._activate import activate
+
+        activate(module)
+    except Exception as error:
+        if strict():
+            raise  # asked for: the patch's error (already recorded by activate) or ours, to the import
+        hook_failure = f"{our_module_in(error)}: {type(error).__name__}: {error}"
+        record_every_patch(
+            "failed",
+            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({hook_failure}); torch left untouched by it",
+        )
+
+
+def strict():
+    """``FSDP_AUTOPATCH_STRICT`` read without ``_config``; its value is only compared with fixed words."""
+    return os.environ.get(STRICT, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def our_module_in(error):
+    """The innermost module of this package in ``error``'s traceback, e.g. ``fsdp_autopatch._config``
+    (the package's name when none is: a file of ours that does not even compile names itself in
+    the ``SyntaxError`` message)."""
+    found = _PACKAGE
+    tb = error.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_globals.get("__name__", "")
+        if name == _PACKAGE or name.startswith(_PACKAGE + "."):
+            found = name
+        tb = tb.tb_next
+    return found
+
+
+def record_every_patch(status, reason):
+    """Give every patch not yet decided ``status``; silent if the registry itself is broken
+    (``hook_failure`` and the CLI still say what broke)."""
+    try:
+        from ._registry import REGISTRY
+
+        REGISTRY.settle_pending(status, reason)
+    except Exception:
+        pass
