@@ -81,3 +81,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
 
 def has_native_unused_param_api(release: tuple[int, int]) -> bool:
     return release >= (2, 13)
+
+
+def has_manual_backward_finalization(release: tuple[int, int]) -> bool:
+    """``FSDPModule.set_manual_backward_finalization`` / ``finalize_backward``: torch 2.15 added them
+    (2.13 and 2.14 have neither; their pipelining stage finalizes by calling the final callback)."""
+    return release >= (2, 15)

@@ -29,6 +29,27 @@ Errors
       ``init_process_group`` sets to the process group timeout), i.e. where fsdp-autopatch is not
       active (``FSDP_AUTOPATCH_ENABLED=0``, not installed in that environment, ``python -S``).
 
+Where it cannot compare, it steps aside
+    The check is a diagnostic: it raises only for a difference it has proven (or for ranks that
+    stayed silent until the store's timeout). A process group it cannot compare is skipped, the
+    reason is recorded in the registry (``policies["cross_rank_check"]``: "skipped for group X:
+    why", in ``fsdp_autopatch.status()`` of the training process, and logged at INFO; the
+    fingerprint uses only policy names, so a skip never makes ranks differ) and the run goes on:
+    * a group of one rank: nothing to compare;
+    * the ``fake`` backend (``torch.testing._internal.distributed.fake_pg``): one process stands
+      in for every rank, the other ranks do not exist;
+    * the ``threaded`` backend (``multi_threaded_pg``, PyTorch's ``MultiThreadedTestCase``): every
+      rank is a thread of this process and shares its one registry;
+    * a store that lives in this process only (``HashStore``, also behind ``PrefixStore``): every
+      rank that can reach it is a thread of this process or simulated, as above;
+    * a store that cannot do what the protocol needs: its ``set``/``add``/``wait``/``get``/``check``
+      raise (torch 2.13's ``FakeStore``: "Not implemented"; a custom store; any error other than a
+      timeout), or it keeps nothing (torch 2.15's C++ ``FakeStore`` answers every call; the counts
+      it returns are impossible for a store that keeps what is written);
+    * no default store to compare through.
+    gloo, nccl, ``cpu:gloo,cuda:nccl`` and custom backends over a ``TCPStore`` or ``FileStore`` are
+    compared as described above.
+
 Disable with ``FSDP_AUTOPATCH_CROSS_RANK_CHECK=0`` (every rank: a rank that still checks waits
 for the others until the timeout).
 """
@@ -48,8 +69,17 @@ _CHECKED = "_fsdp_autopatch_cross_rank_checked"  # FSDPState attribute: this roo
 _KEY_PREFIX = "fsdp_autopatch/cross_rank_check"
 _MAX_RANKS_SHOWN = 8
 
+ARMED = "once per process group at the root's first forward (FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 turns it off)"
+# Backends whose ranks cannot run a check of their own: "fake" simulates every rank but this one
+# in one process; "threaded" runs every rank as a thread of this process, sharing one registry.
+_SINGLE_PROCESS_BACKENDS = {
+    "fake": "fake backend: one process stands in for every rank, the other ranks do not exist",
+    "threaded": "threaded process group: every rank is a thread of this process and shares its registry",
+}
+
 logger = logging.getLogger("fsdp_autopatch")
 _checked_groups: dict[str, Any] = {}  # group name -> group: each process group is checked once
+_skipped: dict[str, str] = {}  # group name -> why it was not compared (shown in the policy)
 
 
 def fingerprint() -> dict[str, str]:
@@ -67,12 +97,21 @@ def apply() -> str:
     if lazy_init is None:
         raise AttributeError("FSDPState._lazy_init not found")
     _compat.replace_all(NAME, [(state_cls, "_lazy_init", _compat.wrap(lazy_init, _check_after_lazy_init))])
-    return "once per process group at the root's first forward (FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 turns it off)"
+    return ARMED
 
 
 def revert() -> None:
     _compat.revert(NAME)
     _checked_groups.clear()
+    _skipped.clear()
+
+
+def record_skip(group_name: str, reason: str) -> None:
+    """Say in the registry why a group was not compared; the run goes on."""
+    _skipped[group_name] = reason
+    logger.info("cross-rank check skipped for group %s: %s", group_name, reason)
+    details = "; ".join(f"skipped for group {name}: {why}" for name, why in list(_skipped.items()))
+    REGISTRY.record_policy(NAME, f"{ARMED}; {details}")
 
 
 def _check_after_lazy_init(wrapped, state, args, kwargs):
@@ -80,7 +119,12 @@ def _check_after_lazy_init(wrapped, state, args, kwargs):
     # _lazy_init runs before every forward and returns at once after the first: stay as cheap.
     if state._is_root and not vars(state).get(_CHECKED):
         setattr(state, _CHECKED, True)
-        check_groups(_process_groups(state))
+        try:
+            groups = _process_groups(state)
+        except Exception as error:  # internals we do not know: a diagnostic must not stop training
+            record_skip("?", f"cannot list the process groups ({type(error).__name__}: {error})")
+            return result
+        check_groups(groups)
     return result
 
 
@@ -117,19 +161,63 @@ def check_groups(groups: list[Any]) -> None:
 def _comparison_for(group: Any) -> _Comparison | None:
     import torch.distributed as dist
 
-    ranks = list(dist.get_process_group_ranks(group))
-    if len(ranks) < 2:
+    try:
+        ranks = list(dist.get_process_group_ranks(group))
+    except Exception as error:  # not a group of the default world (unusual init): cannot address it
+        record_skip(str(getattr(group, "group_name", "?")), f"no ranks known ({type(error).__name__}: {error})")
         return None
     name = str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
     if name in _checked_groups:
         return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception as error:  # no default store (unusual init): nothing to compare through
-        logger.debug("cross-rank check skipped for group %s: %s", name, error)
-        return None
     _checked_groups[name] = group
+    reason = _why_not_comparable(group, ranks)
+    if reason is None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            reason = _why_store_cannot_compare(store)
+        except Exception as error:  # no default store (e.g. a group made without one)
+            reason = f"no default store to compare through ({type(error).__name__}: {error})"
+    if reason is not None:
+        record_skip(name, reason)
+        return None
     return _Comparison(store, f"{_KEY_PREFIX}/{name}", dist.get_rank(), ranks, fingerprint())
+
+
+def _why_not_comparable(group: Any, ranks: list[int]) -> str | None:
+    """Why this group's ranks have no peers in other processes to compare with, or None."""
+    import torch.distributed as dist
+
+    if len(ranks) < 2:
+        return "one rank, nothing to compare"
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception:  # a group c10d does not know by backend: decided by its store below
+        return None
+    return _SINGLE_PROCESS_BACKENDS.get(backend)
+
+
+def _why_store_cannot_compare(store: Any) -> str | None:
+    """A store that only this process can reach (HashStore) means every rank using it is a thread
+    of this process or simulated: nothing to compare, and peers that do not exist would be waited
+    for until the timeout. PrefixStores are looked through. Other stores are tried: what they
+    cannot do shows up as an error of the protocol itself (``_announce``, ``_peers_if_different``)."""
+    import torch.distributed as dist
+
+    for _ in range(16):  # PrefixStore(PrefixStore(...)): bounded, a store could point to itself
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store = inner
+    if isinstance(store, dist.HashStore):
+        return "its store (HashStore) lives in this process only: the ranks are threads of this process or simulated"
+    return None
+
+
+def _is_timeout(error: BaseException) -> bool:
+    # c10d says "Wait timeout" (HashStore, FileStore, PrefixStore) or "wait timeout after ...ms"
+    # (TCPStore); DistStoreError is its class for those, FileStore raises a plain RuntimeError.
+    text = str(error).lower()
+    return "timeout" in text or "timed out" in text
 
 
 def _digest(items: dict[str, str]) -> str:
@@ -144,13 +232,15 @@ def _compare_all(comparisons: list[_Comparison]) -> None:
     would wait the whole timeout and then blame it as "never reported". No wait below depends on
     the order in which ranks visit their groups.
     """
-    for comparison in comparisons:
-        _announce(comparison)
+    comparisons = [c for c in comparisons if _announced(c)]
     errors: list[RuntimeError] = []
     disagreeing: list[tuple[_Comparison, dict[int, dict[str, str]]]] = []
     for comparison in comparisons:
         try:
             peers = _peers_if_different(comparison)
+        except _StoreCannot as error:
+            record_skip(_group_of(comparison), str(error))
+            continue
         except RuntimeError as error:
             errors.append(error)
             continue
@@ -160,7 +250,8 @@ def _compare_all(comparisons: list[_Comparison]) -> None:
         _wait_until_every_peer_has_read(comparison)
         errors.append(RuntimeError(
             f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
-            f"{_group_of(comparison)}, so they can issue different collectives: {describe_differences(peers)}. "
+            f"{_group_of(comparison)}, so they can issue different collectives: "
+            f"{describe_differences(peers) or 'their fingerprints differ (the store cannot return them to name the items)'}. "
             "Give every rank the same FSDP_AUTOPATCH_* environment and the same torch, or set "
             "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
         ))
@@ -174,11 +265,38 @@ def _group_of(comparison: _Comparison) -> str:
     return comparison.prefix.rsplit("/", 1)[-1]
 
 
+class _StoreCannot(Exception):
+    """The store raised something other than a timeout: this group cannot be compared."""
+
+
+def _store_cannot(operation: str, error: BaseException) -> _StoreCannot:
+    return _StoreCannot(f"the store cannot {operation} ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+
+
+def _announced(c: _Comparison) -> bool:
+    """Publish, or record why the store cannot. Every rank of a group shares one store type, so a
+    store that cannot ``set``/``add`` fails the same way on every rank: nobody waits for us."""
+    try:
+        _announce(c)
+    except _StoreCannot as error:
+        record_skip(_group_of(c), str(error))
+        return False
+    except Exception as error:
+        record_skip(_group_of(c), str(_store_cannot("publish a fingerprint (set/add)", error)))
+        return False
+    return True
+
+
 def _announce(c: _Comparison) -> None:
     """Publish this rank's fingerprint; the last rank to arrive releases everyone."""
     c.store.set(f"{c.prefix}/fingerprint/{c.rank}", json.dumps(c.items, sort_keys=True))
     c.store.add(f"{c.prefix}/digest/{_digest(c.items)}", 1)
-    if c.store.add(f"{c.prefix}/arrived", 1) == len(c.ranks):
+    arrived = c.store.add(f"{c.prefix}/arrived", 1)
+    if not isinstance(arrived, int) or arrived < 1:
+        # A no-op store (torch 2.15's C++ FakeStore answers every call): nothing written is kept,
+        # so no count read back from it could prove anything.
+        raise _StoreCannot(f"the store cannot keep what is written (add returned {arrived!r} after adding 1)")
+    if arrived == len(c.ranks):
         c.store.set(f"{c.prefix}/complete", "1")
 
 
@@ -187,7 +305,9 @@ def _peers_if_different(c: _Comparison) -> dict[int, dict[str, str]] | None:
     try:
         c.store.wait([f"{c.prefix}/complete"])  # the store's timeout: the process group's
     except Exception as error:
-        silent = [r for r in c.ranks if not c.store.check([f"{c.prefix}/fingerprint/{r}"])]
+        if not _is_timeout(error):
+            raise _store_cannot("wait", error) from None
+        silent = _silent_ranks(c)
         raise RuntimeError(
             f"fsdp-autopatch cross-rank check: {_ranks(silent)} of process group {_group_of(c)} "
             f"never reported their patches ({type(error).__name__}: {error}). fsdp-autopatch is probably not "
@@ -196,12 +316,30 @@ def _peers_if_different(c: _Comparison) -> dict[int, dict[str, str]] | None:
             "(FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on some ranks only). Run every rank in the same environment, or set "
             "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
         ) from None
-    if c.store.add(f"{c.prefix}/digest/{_digest(c.items)}", 0) == len(c.ranks):
+    try:
+        count = c.store.add(f"{c.prefix}/digest/{_digest(c.items)}", 0)
+    except Exception as error:  # cannot count the digests: nothing proven
+        raise _store_cannot("count the digests (add)", error) from None
+    if count == len(c.ranks):
         return None
-    peers = {r: json.loads(c.store.get(f"{c.prefix}/fingerprint/{r}")) for r in c.ranks}
+    if not isinstance(count, int) or not 1 <= count < len(c.ranks):
+        # This rank's own digest counts 1, and no group has more ranks than it has: a store that
+        # answers otherwise (a no-op store such as torch 2.15's C++ FakeStore) proves nothing.
+        raise _StoreCannot(f"the store cannot keep what is written (it counts {count!r} of {len(c.ranks)} ranks' digests)")
+    try:  # the difference is proven; which items differ is what the fingerprints tell
+        peers = {r: json.loads(c.store.get(f"{c.prefix}/fingerprint/{r}")) for r in c.ranks}
+    except Exception:  # a store without get: the message cannot name the items
+        peers = {}
     if c.store.add(f"{c.prefix}/read", 1) == len(c.ranks):
         c.store.set(f"{c.prefix}/read_complete", "1")
     return peers
+
+
+def _silent_ranks(c: _Comparison) -> list[int]:
+    try:
+        return [r for r in c.ranks if not c.store.check([f"{c.prefix}/fingerprint/{r}"])]
+    except Exception:  # a store without check: we cannot name them, the timeout is still proven
+        return [r for r in c.ranks if r != c.rank]
 
 
 def _wait_until_every_peer_has_read(c: _Comparison) -> None:

@@ -622,6 +622,27 @@ def sc_restore_hsdp_window(ctx: Ctx) -> None:
         }
 
 
+def count_restore_all_reduces() -> list[int]:
+    """The sizes of the all-reduces restore_unused_param_grads issues (only the patch's own)."""
+    calls: list[int] = []
+    try:
+        from fsdp_autopatch.patches import restore_unused_param_grads as restore
+    except ImportError:
+        return calls
+    real_dist = restore.dist
+
+    class CountingDist:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_dist, name)
+
+        def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls.append(tensor.numel())
+            return real_dist.all_reduce(tensor, *args, **kwargs)
+
+    restore.dist = CountingDist()
+    return calls
+
+
 def sc_restore_collectives(ctx: Ctx) -> None:
     """How many all-reduces restore_unused_param_grads adds per backward, and of what size.
 
@@ -630,23 +651,7 @@ def sc_restore_collectives(ctx: Ctx) -> None:
     """
     from torch.distributed.fsdp import fully_shard
 
-    calls: list[int] = []
-    try:
-        from fsdp_autopatch.patches import restore_unused_param_grads as restore
-
-        real_dist = restore.dist
-
-        class CountingDist:  # counts only the collectives issued by the patch itself
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real_dist, name)
-
-            def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                calls.append(tensor.numel())
-                return real_dist.all_reduce(tensor, *args, **kwargs)
-
-        restore.dist = CountingDist()
-    except ImportError:
-        pass
+    calls = count_restore_all_reduces()
     for name in ("fill_off", "fill_one_unit", "fill_all"):
         model = build_model("mlp")
         for b in model.blocks:

@@ -184,3 +184,131 @@ def test_the_check_is_on_by_default_and_can_be_switched_off(value, expected):
     environ = {} if value is None else {CROSS_RANK_CHECK: value}
     settings = read_settings(environ, warn=lambda variable, message: None)
     assert settings.cross_rank_check is expected
+
+
+class StoreWithout(FakeStore):
+    """A store whose ``operations`` raise as c10d's base ``Store`` does (``FakeStore`` of fake_pg)."""
+
+    def __init__(self, *operations: str, error: str = "Tried to call pure virtual function \"::c10d::Store::add\"") -> None:
+        super().__init__(timeout=30.0)
+        for operation in operations:
+            setattr(self, operation, functools.partial(self._raise, error))
+
+    @staticmethod
+    def _raise(error, *args, **kwargs):
+        raise RuntimeError(error)
+
+
+@pytest.fixture
+def clean_registry():
+    from fsdp_autopatch._registry import REGISTRY
+
+    REGISTRY.reset()
+    _consistency._skipped.clear()
+    yield REGISTRY
+    REGISTRY.reset()
+    _consistency._skipped.clear()
+
+
+@pytest.mark.parametrize(
+    "operations, says",
+    [
+        (("set", "add", "wait", "get", "check"), "the store cannot publish a fingerprint (set/add)"),
+        (("add",), "the store cannot publish a fingerprint (set/add)"),
+        (("wait",), "the store cannot wait"),
+    ],
+)
+def test_a_store_that_cannot_is_skipped_at_once_and_recorded(clean_registry, operations, says):
+    """No raise, no wait for the timeout: the group is skipped and the registry says why."""
+    import time
+
+    store = StoreWithout(*operations)
+    start = time.monotonic()
+    errors = run_ranks(store, {r: dict(PRINT) for r in range(2)})
+    assert time.monotonic() - start < 5.0, "waited for the store timeout"
+    assert errors == {0: None, 1: None}
+    policy = clean_registry.snapshot().policies[_consistency.NAME]
+    assert policy.startswith(_consistency.ARMED)
+    assert f"skipped for group 0: {says} (RuntimeError: Tried to call pure virtual function" in policy, policy
+
+
+class NoOpStore(FakeStore):
+    """Answers every call and keeps nothing, as torch 2.15's C++ ``FakeStore`` does."""
+
+    def set(self, key, value):
+        pass
+
+    def add(self, key, amount):
+        return 0
+
+    def wait(self, keys):
+        pass
+
+    def get(self, key):
+        return b""
+
+    def check(self, keys):
+        return True
+
+
+def test_a_store_that_keeps_nothing_is_skipped_not_taken_for_a_difference(clean_registry):
+    errors = run_ranks(NoOpStore(), {r: dict(PRINT) for r in range(8)})
+    assert errors == {r: None for r in range(8)}
+    policy = clean_registry.snapshot().policies[_consistency.NAME]
+    assert "skipped for group 0: the store cannot keep what is written (add returned 0 after adding 1)" in policy
+
+
+def test_a_timeout_is_still_reported_when_the_store_cannot_check(clean_registry):
+    store = StoreWithout("check")
+    store.timeout = 0.5
+    errors = run_ranks(store, {0: dict(PRINT)}, ranks=[0, 1])
+    assert "rank 1 of process group 0 never reported" in str(errors[0]), errors
+
+
+def test_a_proven_difference_is_raised_when_the_store_cannot_get(clean_registry):
+    prints = {r: dict(PRINT) for r in range(2)}
+    prints[1]["torch"] = "2.15.0"
+    errors = run_ranks(StoreWithout("get"), prints)
+    for error in errors.values():
+        assert "ranks disagree" in str(error) and "the store cannot return them" in str(error), error
+
+
+def test_the_fingerprint_does_not_change_when_a_group_is_skipped(clean_registry):
+    clean_registry.record_policy(_consistency.NAME, _consistency.ARMED)
+    before = _consistency.fingerprint()
+    _consistency.record_skip("3", "fake backend: ...")
+    assert _consistency.fingerprint() == before
+
+
+def test_groups_without_peers_in_other_processes_are_not_compared(monkeypatch):
+    import torch.distributed as dist
+
+    group = object()
+    assert _consistency._why_not_comparable(group, [0]) == "one rank, nothing to compare"
+    for backend, says in (("fake", "fake backend"), ("threaded", "threaded process group")):
+        monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: b)
+        assert _consistency._why_not_comparable(group, [0, 1]).startswith(says)
+    for backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl", "my_custom_backend"):
+        monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: b)
+        assert _consistency._why_not_comparable(group, [0, 1]) is None, backend
+
+
+def test_a_store_only_this_process_reaches_is_not_compared(tmp_path):
+    import torch.distributed as dist
+
+    in_process = dist.PrefixStore("default_pg", dist.PrefixStore("x", dist.HashStore()))
+    assert "HashStore" in _consistency._why_store_cannot_compare(in_process)
+    assert _consistency._why_store_cannot_compare(dist.FileStore(str(tmp_path / "store"), 1)) is None
+
+
+def test_torchs_fake_store_is_skipped_by_what_it_can_do(clean_registry):
+    """torch's FakeStore raises "Not implemented" (2.13, 2.14) or answers without keeping anything
+    (2.15): either way the group is skipped without the backend's name telling us."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore as TorchFakeStore
+
+    store = dist.PrefixStore("default_pg", TorchFakeStore())
+    comparison = _consistency._Comparison(store, "fsdp_autopatch/cross_rank_check/0", 0, list(range(8)), dict(PRINT))
+    _consistency._compare_all([comparison])
+    policy = clean_registry.snapshot().policies[_consistency.NAME]
+    assert "skipped for group 0: the store cannot" in policy, policy

@@ -12,13 +12,19 @@ The bug
 
 Torch versions
     Every version with the fill: torch >= 2.13 natively, 2.6 - 2.12 through
-    ``unused_param_reduction``. Still relevant on 2.15.
+    ``unused_param_reduction``. Still relevant on 2.15, whose manual backward finalization
+    (``set_manual_backward_finalization``, also what its pipelining schedules use) never calls the
+    final callback's restore: covered by the ``_end_backward_iteration`` wrapper below.
 
 Needed here?
     A fill must exist (``FSDPModule.set_reduce_scatter_unused_params``) and the wrapped internals
     must be there: ``FSDPParamGroup.post_backward`` and
-    ``FSDPState._root_post_backward_final_callback``. No fill -> not needed (nothing creates the
-    zeros); missing internals -> unsupported.
+    ``FSDPState._root_post_backward_final_callback``; on a release with manual backward
+    finalization (``FSDPModule.finalize_backward``, torch 2.15) also
+    ``FSDPState._end_backward_iteration`` (reading ``_state_ctx.all_states``), reached from
+    ``FSDPState.wait_for_gradient_reduction``, and the callback's
+    ``manual_backward_finalization_active``. No fill -> not needed (nothing creates the zeros);
+    missing internals -> unsupported.
 
 The replacement
     * ``FSDPParamGroup.post_backward`` wrapped (outside the backport's fill, so it runs first): for
@@ -26,11 +32,23 @@ The replacement
       rank has a local gradient (an unsharded or accumulated gradient exists: usage comes from
       gradient *presence*, never from a zero value) and whether its sharded gradient already
       existed (then the reduction accumulates into it and it must stay).
-    * ``FSDPState._root_post_backward_final_callback`` wrapped: after torch's callback (every
-      reduction issued), the usage flags are reduced with MAX over each parameter's reduction
-      domain (the shard process group, and the replicate group under HSDP), all flags of one
-      process group packed into one int32 all-reduce, once per backward. A parameter that no rank
-      used and whose sharded gradient this reduction created gets ``grad = None`` again.
+    * At the end of each backward, the usage flags are reduced with MAX over each parameter's
+      reduction domain (the shard process group, and the replicate group under HSDP), all flags of
+      one process group packed into one int32 all-reduce. A parameter that no rank used and whose
+      sharded gradient this reduction created gets ``grad = None`` again. The probes are taken
+      off the groups before the all-reduce, so a second end-of-backward hook finds none: the
+      restore runs once per backward, whichever way the backward is finalized:
+      - ``FSDPState._root_post_backward_final_callback`` wrapped: after torch's callback (every
+        reduction issued), unless manual finalization is active for this backward (then the
+        callback only marks groups pending, their reductions come later). This covers automatic
+        finalization on every release and the pipelining schedules of 2.8 - 2.14, which call
+        ``post_backward`` and then this callback by hand (``_PipelineStageBase.perform_reduce_grad``).
+      - ``FSDPState._end_backward_iteration`` wrapped (torch 2.15): where automatic finalization
+        (``wait_for_gradient_reduction`` from the callback), ``finalize_backward()``,
+        ``finalize_backward(async_op=True).wait()`` and 2.15's pipelining schedules (manual, async)
+        all end, after the reductions were waited for.
+      - ``FSDPParamGroup._reset_iter_state`` wrapped where it exists (2.13+): a reset iteration is
+        lost, and so is its usage probe.
     A unit whose fill is off records nothing and adds no collective at all.
 
 Limitation
@@ -56,6 +74,8 @@ from . import unused_param_reduction
 
 NAME = "restore_unused_param_grads"
 _CALLBACK = "_root_post_backward_final_callback"
+_END_ITERATION = "_end_backward_iteration"  # torch 2.15: where every finalization path ends
+_RESET = "_reset_iter_state"  # FSDPParamGroup, torch 2.13+: recovery after a failed iteration
 # Every release with a fill (torch's from 2.13, the backport before) zero-fills unused params.
 AFFECTED = SpecifierSet(">=2.6")
 _PROBE = "_fsdp_autopatch_usage_probe"  # FSDPParamGroup attribute, lives for one backward
@@ -119,7 +139,31 @@ def _structural_check() -> _compat.Verdict:
             "(fsdp_params, reduce_grads, mesh_info, _state_ctx.all_states)"
         )
     source = "torch's" if unused_param_reduction.has_native_api() else "the backported"
-    return _compat.needed(f"{source} unused-param fill turns None into zero")
+    if not has_manual_finalization():
+        return _compat.needed(f"{source} unused-param fill turns None into zero")
+    if not _manual_finalization_looks_right(state):
+        return _compat.unsupported(
+            f"FSDPModule.finalize_backward exists but FSDPState.{_END_ITERATION} (reached from "
+            f"wait_for_gradient_reduction, reading _state_ctx.all_states) or {_CALLBACK}'s "
+            "manual_backward_finalization_active is missing: manually finalized backwards would keep the zeros"
+        )
+    return _compat.needed(f"{source} unused-param fill turns None into zero, also in manually finalized backwards")
+
+
+def has_manual_finalization() -> bool:
+    """Whether this torch lets the caller finalize backward (``FSDPModule.finalize_backward``, 2.15)."""
+    fsdp_module, _, _ = _classes()
+    return _compat.class_attr(fsdp_module, "finalize_backward") is not None
+
+
+def _manual_finalization_looks_right(state: type) -> bool:
+    # Every finalization path must reach _end_backward_iteration (via wait_for_gradient_reduction),
+    # and the callback must tell a manual backward apart, so that the restore runs once, at the end.
+    return (
+        _compat.reads_names(_compat.class_attr(state, _END_ITERATION), "_state_ctx", "all_states")
+        and _compat.reads_names(_compat.class_attr(state, "wait_for_gradient_reduction"), _END_ITERATION)
+        and _compat.reads_names(_compat.class_attr(state, _CALLBACK), "manual_backward_finalization_active")
+    )
 
 
 def _probe_usage(wrapped, group, args, kwargs):
@@ -154,45 +198,69 @@ def _probed_groups(root_state: Any) -> list[Any]:
 
 def restore_unused(groups: list[Any]) -> None:
     """Reset the gradients this backward's reductions created for parameters no rank used."""
-    by_domain: dict[tuple[Any, ...], list[Any]] = {}
+    by_domain: dict[tuple[Any, ...], list[tuple[Any, _UsageProbe]]] = {}
     for group in groups:  # same order on every rank: all_states follows the module tree
-        by_domain.setdefault(_reduction_domain(group), []).append(group)
-    for domain, domain_groups in by_domain.items():
-        probes = [vars(group).pop(_PROBE) for group in domain_groups]
-        flags = [int(used) for probe in probes for used in probe.used]
+        # Taken off before any collective: whatever happens next, no probe outlives this backward.
+        by_domain.setdefault(_reduction_domain(group), []).append((group, vars(group).pop(_PROBE)))
+    for domain, entries in by_domain.items():
+        flags = [int(used) for _, probe in entries for used in probe.used]
         if domain and flags:
-            packed = torch.tensor(flags, dtype=torch.int32, device=domain_groups[0].device)
+            packed = torch.tensor(flags, dtype=torch.int32, device=entries[0][0].device)
             for process_group in domain:
                 dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=process_group)
             flags = packed.tolist()
         position = 0
-        for group, probe in zip(domain_groups, probes):
+        for group, probe in entries:
             for fsdp_param, existed in zip(group.fsdp_params, probe.grad_existed):
                 if not flags[position] and not existed:
                     fsdp_param.sharded_param.grad = None
                 position += 1
 
 
-def _restore_after_callback(wrapped, root_state, args, kwargs):
-    result = wrapped(*args, **kwargs)
+def _restore_probed(root_state: Any) -> None:
     groups = _probed_groups(root_state)
     if groups:
         restore_unused(groups)
+
+
+def _restore_after_callback(wrapped, root_state, args, kwargs):
+    # Manual finalization (torch 2.15) is decided when backward starts; the callback then only
+    # marks groups pending and their reductions come in finalize_backward, which ends in
+    # _end_backward_iteration: restore there, once. Read before the call: ending an automatic
+    # backward resets it to None.
+    manual = getattr(root_state._state_ctx, "manual_backward_finalization_active", None)
+    result = wrapped(*args, **kwargs)
+    if not manual:
+        _restore_probed(root_state)
     return result
+
+
+def _restore_after_end_of_iteration(wrapped, root_state, args, kwargs):
+    result = wrapped(*args, **kwargs)  # waits for the reductions first
+    _restore_probed(root_state)
+    return result
+
+
+def _drop_probe_on_reset(wrapped, group, args, kwargs):
+    vars(group).pop(_PROBE, None)  # the iteration is lost: so is its usage
+    return wrapped(*args, **kwargs)
 
 
 def apply() -> str:
     _, param_group, state = _classes()
-    post_backward = _compat.class_attr(param_group, "post_backward")
-    callback = _compat.class_attr(state, _CALLBACK)
-    _compat.replace_all(
-        NAME,
-        [
-            (param_group, "post_backward", _compat.wrap(post_backward, _probe_usage)),
-            (state, _CALLBACK, _compat.wrap(callback, _restore_after_callback)),
-        ],
-    )
-    return "gradients it creates for parameters no rank used are reset to None"
+    replacements = [
+        (param_group, "post_backward", _compat.wrap(_compat.class_attr(param_group, "post_backward"), _probe_usage)),
+        (state, _CALLBACK, _compat.wrap(_compat.class_attr(state, _CALLBACK), _restore_after_callback)),
+    ]
+    if has_manual_finalization():  # check() made sure _end_backward_iteration is there
+        end = _compat.class_attr(state, _END_ITERATION)
+        replacements.append((state, _END_ITERATION, _compat.wrap(end, _restore_after_end_of_iteration)))
+    reset = _compat.class_attr(param_group, _RESET)
+    if reset is not None:
+        replacements.append((param_group, _RESET, _compat.wrap(reset, _drop_probe_on_reset)))
+    _compat.replace_all(NAME, replacements)
+    where = f"the final callback or {_END_ITERATION}" if has_manual_finalization() else "the final callback"
+    return f"gradients it creates for parameters no rank used are reset to None (after {where})"
 
 
 def revert() -> None:
