@@ -281,7 +281,7 @@ def test_the_fingerprint_does_not_change_when_a_group_is_skipped(clean_registry)
 
 
 def test_groups_without_peers_in_other_processes_are_not_compared(monkeypatch):
-    import torch.distributed as dist
+    dist = pytest.importorskip("torch.distributed")  # a real torch: its stores and groups
 
     group = object()
     assert _consistency._why_not_comparable(group, [0]) == "one rank, nothing to compare"
@@ -294,7 +294,7 @@ def test_groups_without_peers_in_other_processes_are_not_compared(monkeypatch):
 
 
 def test_a_store_only_this_process_reaches_is_not_compared(tmp_path):
-    import torch.distributed as dist
+    dist = pytest.importorskip("torch.distributed")  # a real torch: its stores and groups
 
     in_process = dist.PrefixStore("default_pg", dist.PrefixStore("x", dist.HashStore()))
     assert "HashStore" in _consistency._why_store_cannot_compare(in_process)
@@ -304,7 +304,7 @@ def test_a_store_only_this_process_reaches_is_not_compared(tmp_path):
 def test_torchs_fake_store_is_skipped_by_what_it_can_do(clean_registry):
     """torch's FakeStore raises "Not implemented" (2.13, 2.14) or answers without keeping anything
     (2.15): either way the group is skipped without the backend's name telling us."""
-    import torch.distributed as dist
+    dist = pytest.importorskip("torch.distributed")  # a real torch: its stores and groups
     from torch.testing._internal.distributed.fake_pg import FakeStore as TorchFakeStore
 
     store = dist.PrefixStore("default_pg", TorchFakeStore())
