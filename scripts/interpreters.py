@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 UNIT_TESTS = (
     "tests/unit/test_bootstrap.py",
     "tests/unit/test_fault_injection.py",
+    "tests/unit/test_own_module_faults.py",
     "tests/unit/test_config.py",
     "tests/unit/test_registry.py",
     "tests/unit/test_activate.py",

@@ -53,7 +53,7 @@ from _pythons import python_version, resolve_python
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
-TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy")
+TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy", "expecttest")  # expecttest: torch.testing._internal needs it
 INSTALL_TIMEOUT = 45 * 60
 REGISTRY_TIMEOUT = 10 * 60
 TESTS_TIMEOUT = 60 * 60
