@@ -87,3 +87,17 @@ def has_manual_backward_finalization(release: tuple[int, int]) -> bool:
     """``FSDPModule.set_manual_backward_finalization`` / ``finalize_backward``: torch 2.15 added them
     (2.13 and 2.14 have neither; their pipelining stage finalizes by calling the final callback)."""
     return release >= (2, 15)
+
+
+# First release whose fake backend writes a reduce-scatter's output; checked against each wheel by
+# the fake-backend scenario's probe (test_dist_single_process.py).
+_FAKE_REDUCE_SCATTER_WRITES_FROM = (2, 13)
+
+
+def fake_backend_reduce_scatter_writes_output(release: tuple[int, int]) -> bool:
+    """Whether the ``fake`` backend's reduce-scatter (``FakeProcessGroup``, what
+    ``init_process_group("fake", ...)`` makes) copies this rank's chunk of the input into the output.
+    Before PyTorch PR 182365 it wrote nothing, so FSDP2's gradients under the fake backend are
+    whatever its ``new_empty`` reduce-scatter buffer held, with or without the plugin (measured on
+    2.8 and 2.12.1); from 2.13 on they are deterministic (measured on 2.13 and 2.15)."""
+    return release >= _FAKE_REDUCE_SCATTER_WRITES_FROM

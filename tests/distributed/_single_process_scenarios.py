@@ -47,6 +47,7 @@ def sc_fake(ctx: sc.Ctx) -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
     mesh = init_device_mesh("cpu", (FAKE_WORLD,))
+    ctx.data["fake_reduce_scatter_writes_output"] = _fake_reduce_scatter_writes_output()
 
     def forward_backward(rec: dict[str, Any]) -> None:
         torch.manual_seed(sc.MODEL_SEED)
@@ -55,8 +56,10 @@ def sc_fake(ctx: sc.Ctx) -> None:
             fully_shard(model[index], mesh=mesh)
         fully_shard(model, mesh=mesh)
         start = time.monotonic()
-        model(sc._randn(1, sc.ROWS_PER_RANK, sc.DIM)).sum().backward()
+        output = model(sc._randn(1, sc.ROWS_PER_RANK, sc.DIM))
+        output.sum().backward()
         rec["elapsed_s"] = time.monotonic() - start
+        rec["output"] = output.detach()  # from the fake all-gather, which copies on every release
         rec["grads"] = sc.grads_local(model)
         rec["status"] = sc.autopatch_status()
 
@@ -67,6 +70,17 @@ def sc_fake(ctx: sc.Ctx) -> None:
 
         revert_all()
         forward_backward(rec)
+
+
+def _fake_reduce_scatter_writes_output() -> bool:
+    """Whether this torch's fake backend writes a reduce-scatter's output (a copy of this rank's
+    chunk of the input) or leaves it as it was. FSDP2 reduce-scatters into a buffer it made with
+    ``new_empty``: where nothing is written, its gradients are whatever that memory held."""
+    import torch.distributed as dist
+
+    output = torch.full((1,), float("nan"))
+    dist.reduce_scatter_tensor(output, torch.ones(FAKE_WORLD))
+    return not bool(output.isnan().any())
 
 
 # --- threaded process groups ---------------------------------------------------------------

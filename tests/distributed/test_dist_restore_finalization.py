@@ -8,7 +8,7 @@ fill on) and on a two-unit model (see ``_finalization_scenarios``):
   ``set_manual_backward_finalization(True)`` + ``finalize_backward()``, ``finalize_backward(
   async_op=True).wait()``, and the documented no-sync window before one finalization);
 - ``pipelining``: ``torch.distributed.pipelining``'s ``ScheduleGPipe``, one stage per rank, FSDP over
-  both: 2.13/2.14 call ``post_backward`` and the final callback by hand, 2.15 finalizes manually
+  both: 2.8 - 2.14 call ``post_backward`` and the final callback by hand, 2.15 finalizes manually
   and asynchronously.
 Step 0: no rank uses ``spare``, so its gradient must be None. Step 1: rank 0 uses it, so it must
 equal the single-process reference (rank 0's contribution averaged over both ranks). After each
