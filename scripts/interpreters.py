@@ -4,8 +4,9 @@
 For each interpreter (``scripts/_pythons.py`` finds pyenv's builds) this makes a small throwaway
 venv and checks what a user of that interpreter hits first:
 
-1. ``pip install`` of the wheel built from this checkout. On an interpreter that
-   ``requires-python`` excludes, pip must refuse it, and that is the whole check for it.
+1. ``pip install`` of the wheel built from this checkout (every interpreter in ``PYTHONS`` is one
+   that ``requires-python`` admits; for one it excludes, e.g. ``--python 3.8``, the check is that
+   pip refuses the wheel, and that is the whole check for it).
 2. ``pytest`` of the torch-free unit tests (bootstrap, fault injection, config, registry,
    activation, cross-rank check) against the installed wheel; the few tests that need a real
    torch skip themselves.

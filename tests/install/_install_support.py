@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,37 +22,76 @@ from typing import Mapping, Sequence
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO / "tests") not in sys.path:  # tests/expected.py: the per-release expectations
+    sys.path.insert(0, str(REPO / "tests"))
+import expected as ex  # noqa: E402
+
 # Which interpreter the venvs are made from and which torch goes into them. By default the test
 # runner's own interpreter and torch 2.13.0 (on this machine pip takes it from local disk, cp311
-# only); e.g. FSDP_TEST_PYTHON=$(pyenv root)/versions/3.12.1/bin/python3 takes torch 2.13.0 from
-# PyPI (~4.7 GB). The expectations below are torch 2.13's (2.14 gives the same).
-# Not FSDP_AUTOPATCH_*: the plugin warns about unknown variables with its prefix.
+# only); e.g. FSDP_TEST_PYTHON=$(pyenv root)/versions/3.9.18/bin/python3 FSDP_TEST_TORCH='torch==2.8.0'
+# takes torch 2.8.0 from PyPI. Not FSDP_AUTOPATCH_*: the plugin warns about unknown variables with
+# its prefix.
 TEST_PYTHON = os.environ.get("FSDP_TEST_PYTHON", "").strip()
 TORCH_REQUIREMENT = os.environ.get("FSDP_TEST_TORCH", "").strip() or "torch==2.13.0"
 
-PATCH_NAMES = (
-    "accumulated_grad_guard",
-    "unused_param_reduction",
-    "uniform_reduce_dtype",
-    "restore_unused_param_grads",
-)
-# What the contract promises on torch 2.13 (and 2.14) with nothing switched off.
-DEFAULT_STATUSES = {
-    "accumulated_grad_guard": "applied",
-    "unused_param_reduction": "not_needed",  # torch 2.13 has FSDPModule.set_reduce_scatter_unused_params
-    "uniform_reduce_dtype": "applied",
-    "restore_unused_param_grads": "applied",
-}
-# Which torch attributes each patch replaces on torch 2.13 (unused_param_reduction: none, not needed).
+
+def _pinned_version(requirement: str) -> str:
+    """``torch==2.8.0`` -> ``2.8.0``, ``torch==2.8.*`` -> ``2.8.``: the expectations below are one
+    release's, so the requirement must name it (the torch_venv fixture checks what pip installed)."""
+    match = re.fullmatch(r"torch\s*==\s*(\d+\.\d+)(\.\d+|\.\*)?", requirement)
+    if match is None:
+        raise RuntimeError(
+            f"FSDP_TEST_TORCH={requirement!r}: pin a release (torch==2.8.0 or torch==2.8.*); "
+            "the install tests expect that release's statuses (tests/expected.py)"
+        )
+    return match.group(1) + (match.group(2) or ".").rstrip("*")
+
+
+# ``report["torch"].startswith(TORCH_VERSION)`` for the torch in the test venvs
+TORCH_VERSION = _pinned_version(TORCH_REQUIREMENT)
+TORCH_RELEASE = ex.release_of(TORCH_VERSION + "0" if TORCH_VERSION.endswith(".") else TORCH_VERSION)
+# torch >= 2.13 has FSDPModule.set_reduce_scatter_unused_params; before it only our backport does
+NATIVE_UNUSED_PARAM_API = ex.has_native_unused_param_api(TORCH_RELEASE)
+
+PATCH_NAMES = ex.PATCHES
+
+
+def statuses_with(**changes: str) -> dict[str, str]:
+    """The registry statuses on this torch with nothing switched off (tests/expected.py), then
+    ``changes``. Before 2.13 the backported setter is the only unused-param fill, so without it
+    applied restore_unused_param_grads has nothing to undo (``not_needed``) unless told otherwise."""
+    result = {**ex.expected_status(TORCH_RELEASE), **changes}
+    fill_missing = not NATIVE_UNUSED_PARAM_API and result["unused_param_reduction"] != "applied"
+    if fill_missing and "restore_unused_param_grads" not in changes and result["restore_unused_param_grads"] == "applied":
+        result["restore_unused_param_grads"] = "not_needed"
+    return result
+
+
+# What the contract promises on this torch with nothing switched off.
+DEFAULT_STATUSES = statuses_with()
+# Which torch attributes each patch wraps (once each) when applied; several patches may wrap the
+# same attribute. The unused-param backport (< 2.13) wraps post_backward besides adding the setter.
 PATCH_POINTS = {
     "accumulated_grad_guard": ("FSDPParam.to_accumulated_grad_if_needed",),
-    "unused_param_reduction": (),
+    "unused_param_reduction": () if NATIVE_UNUSED_PARAM_API else ("FSDPParamGroup.post_backward",),
     "uniform_reduce_dtype": ("_fsdp_collectives.foreach_reduce", "_fsdp_param_group.foreach_reduce"),
     "restore_unused_param_grads": (
         "FSDPParamGroup.post_backward",
         "FSDPState._root_post_backward_final_callback",
     ),
 }
+
+
+def expected_wrappers(status: Mapping[str, str], missing: Sequence[str] = ()) -> dict[str, object]:
+    """How many wrappers each probed attribute carries given the registry ``status`` (one per applied
+    patch that wraps it); ``None`` for the attributes in ``missing``."""
+    expected: dict[str, object] = {}
+    for name, points in PATCH_POINTS.items():
+        for point in points:
+            expected[point] = expected.get(point, 0) + (status[name] == "applied")
+    expected.update({point: None for point in missing if point in expected})
+    return expected
+
 
 # Timeouts (seconds). Generous: other jobs share the 2 cores, and a first `import torch` in a
 # fresh venv also compiles torch's .pyc files.
@@ -274,13 +314,9 @@ def reasons(report: Mapping) -> dict[str, str]:
 
 
 def assert_torch_matches_registry(probe: Mapping) -> None:
-    """Each torch attribute is wrapped exactly once if its patch says applied, else not at all."""
+    """Each torch attribute carries one wrapper per applied patch that wraps it, and no other."""
     status = statuses(probe["status"])
-    expected = {}
-    for name, points in PATCH_POINTS.items():
-        for point in points:
-            expected[point] = 1 if status[name] == "applied" else 0
-    assert probe["patched"] == expected, (status, probe["patched"])
+    assert probe["patched"] == expected_wrappers(status), (status, probe["patched"])
 
 
 def config_warnings(stderr: str) -> list[str]:

@@ -3,7 +3,7 @@
 Session-scoped, built on first use and shared by every test that needs them:
 
 * ``wheel``        - ``python -m build --wheel`` of this repository, into a tmp dir.
-* ``torch_venv``   - a fresh venv with ``torch==2.13.0`` (from local disk) and the wheel.
+* ``torch_venv``   - a fresh venv with ``FSDP_TEST_TORCH`` (``torch==2.13.0``, from local disk) and the wheel.
 * ``plain_venv``   - a fresh venv with the wheel and no torch.
 * ``editable_venv`` - a fresh venv with ``pip install -e`` of a copy of this repository.
 
@@ -33,9 +33,11 @@ from _install_support import (  # noqa: E402
     T_BUILD,
     T_PIP_TORCH,
     T_TORCH,
+    TORCH_RELEASE,
     TORCH_REQUIREMENT,
     Venv,
     describe,
+    ex,
     run,
 )
 
@@ -83,8 +85,11 @@ def torch_venv(_bare_venvs: dict[str, Future], wheel: Path) -> Venv:
     import below compiles (and caches) only the modules that ``import torch.distributed.fsdp`` needs."""
     venv = _bare_venvs["torch"].result()
     venv.install_plugin(wheel, also=("--no-compile", TORCH_REQUIREMENT), timeout=T_PIP_TORCH)
-    warm = venv.py("import torch.distributed.fsdp", timeout=T_TORCH)
+    warm = venv.py("import torch.distributed.fsdp; print(torch.__version__)", timeout=T_TORCH)
     assert warm.returncode == 0, describe(warm)
+    # the expectations are TORCH_RELEASE's (tests/expected.py): the venv must hold that release
+    installed = warm.stdout.split()[-1]
+    assert ex.release_of(installed) == TORCH_RELEASE, f"{TORCH_REQUIREMENT!r} installed torch {installed}"
     return venv
 
 

@@ -1,4 +1,4 @@
-"""Fault injection against the real wheel in fresh venvs, with a real torch 2.13 where it matters.
+"""Fault injection against the real wheel in fresh venvs, with a real torch (FSDP_TEST_TORCH) where it matters.
 
 Every case asserts the four promises of "costs nothing when idle, never breaks a run":
 
@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 from _install_support import (
     DEFAULT_STATUSES,
+    NATIVE_UNUSED_PARAM_API,
     PATCH_NAMES,
-    PATCH_POINTS,
     T_PY,
     T_TORCH,
     Venv,
@@ -46,9 +46,11 @@ from _install_support import (
     clean_env,
     config_warnings,
     describe,
+    expected_wrappers,
     reasons,
     run,
     statuses,
+    statuses_with,
 )
 
 # Generous: the first test to use the shared torch venv also builds the wheel and installs torch.
@@ -148,15 +150,11 @@ def assert_patched_as_registered(data: dict, *, missing: tuple = ()) -> None:
     """Each torch attribute a patch replaces is wrapped exactly once if that patch is applied, else not
     at all; ``missing`` are the attributes the fault renamed away."""
     status = statuses(data["report"])
-    expected = {}
-    for name, points in PATCH_POINTS.items():
-        for point in points:
-            expected[point] = None if point in missing else (1 if status[name] == "applied" else 0)
-    assert data["patched"] == expected, (status, data["patched"])
+    assert data["patched"] == expected_wrappers(status, missing), (status, data["patched"])
 
 
 def expect(**changes: str) -> dict:
-    return {**DEFAULT_STATUSES, **changes}
+    return statuses_with(**changes)
 
 
 # --- torch not installed -------------------------------------------------------------------------
@@ -372,8 +370,8 @@ _patch_module.PATCH = _patch_module.PATCH._replace(apply=_boom)
 
 
 def raising_program(name: str, strict: bool) -> tuple[str, dict]:
-    if name == "unused_param_reduction":
-        # not needed on torch 2.13 (never applied): make it needed by hiding torch's own method
+    if name == "unused_param_reduction" and NATIVE_UNUSED_PARAM_API:
+        # not needed from torch 2.13 (never applied): make it needed by hiding torch's own method
         pre = inject_after(
             "_fully_shard",
             """
@@ -399,9 +397,10 @@ def test_patch_raises_during_apply(batch: dict, name: str, strict: bool) -> None
     assert_patched_as_registered(data)  # the failed patch left torch untouched
     position = PATCH_NAMES.index(name)
     before, after = PATCH_NAMES[:position], PATCH_NAMES[position + 1 :]
-    baseline = dict(DEFAULT_STATUSES)
+    baseline = statuses_with(**{name: "failed"})
     if name == "unused_param_reduction":
-        baseline.update(restore_unused_param_grads="not_needed")  # no fill: torch's is hidden, the backport failed
+        # no fill (torch's is hidden from 2.13, absent before), the backport failed: nothing to restore
+        baseline.update(restore_unused_param_grads="not_needed")
     assert {n: got[n] for n in before} == {n: baseline[n] for n in before}
     if strict:
         assert data["error"] == message  # the import that triggered the hook raised it

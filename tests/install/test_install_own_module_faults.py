@@ -1,4 +1,4 @@
-"""The real wheel and torch 2.13: one of our modules raising at import never breaks the user's import.
+"""The real wheel and a real torch (FSDP_TEST_TORCH): one of our modules raising at import never breaks the user's import.
 
 The installed file in the venv's site-packages gets a ``raise TypeError`` at its top (restored
 afterwards), as Python 3.9 raised for a ``str | None`` annotation inside the FSDP2 import hook. A
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _install_support import T_TORCH, Venv, describe, run
+from _install_support import T_TORCH, Venv, describe, run, statuses_with
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(900)]
 
@@ -29,7 +29,7 @@ except Exception as error:
 wrapped = type(_fsdp_collectives.foreach_reduce).__module__.startswith("wrapt")
 print(json.dumps({"report": report, "foreach_reduce_wrapped": wrapped}))
 """
-# torch 2.13 warns on import without numpy (these venvs have none); that line is torch's, not ours.
+# torch warns on import without numpy (these venvs have none); that line is torch's, not ours.
 TORCH_NOISE = {"PYTHONWARNINGS": "ignore:Failed to initialize NumPy"}
 
 
@@ -73,12 +73,7 @@ def test_a_patch_module_that_raises_costs_only_that_patch(torch_venv: Venv) -> N
         data = user_run(torch_venv)
         status = cli(torch_venv, "status", "--json")
     got = statuses(data["report"])
-    assert got == {
-        "accumulated_grad_guard": "applied",
-        "unused_param_reduction": "not_needed",
-        "uniform_reduce_dtype": "failed",
-        "restore_unused_param_grads": "applied",
-    }
+    assert got == statuses_with(uniform_reduce_dtype="failed")
     assert data["foreach_reduce_wrapped"] is False  # torch left untouched by the failed patch
     assert status.returncode == 1, describe(status)
     (record,) = [p for p in json.loads(status.stdout)["patches"] if p["status"] == "failed"]
