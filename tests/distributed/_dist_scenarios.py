@@ -19,6 +19,7 @@ run tests exactly what the ``.pth`` bootstrap installed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -738,6 +739,9 @@ def _force_sum_reduction_in_fully_shard() -> None:
 
     original = fsdp.fully_shard
 
+    # wraps: keeps the contract's attributes, e.g. ``fully_shard.state``, which torch 2.8 - 2.14's
+    # pipelining stage calls on the fully_shard it imports from torch.distributed.fsdp.
+    @functools.wraps(original)
     def fully_shard(module, *args, **kwargs):
         result = original(module, *args, **kwargs)
         for m in result if isinstance(result, list) else [result]:

@@ -207,19 +207,6 @@ def _reset_before_finalizing(ctx: sc.Ctx, rec: dict[str, Any]) -> None:
     rec["probes_after_reset"] = probes_left(model)
 
 
-def _pipelining_finds_fsdp_state() -> None:
-    """torch 2.8 - 2.14's pipelining stage reaches a unit's state through ``fully_shard.state`` (set
-    by ``contract``) of the ``fully_shard`` it imports from ``torch.distributed.fsdp``. Where
-    ``_dist_scenarios`` puts a plain wrapper there (gloo's reduce-scatter AVG sums, torch 2.8), the
-    wrapper must carry the contract's ``state``, or the stage raises before any FSDP2 reduction."""
-    import torch.distributed.fsdp as fsdp
-    from torch.distributed.fsdp._fully_shard import _fully_shard
-
-    contract_state = getattr(_fully_shard.fully_shard, "state", None)
-    if contract_state is not None and not hasattr(fsdp.fully_shard, "state"):
-        fsdp.fully_shard.state = contract_state  # type: ignore[attr-defined]
-
-
 def _pipelining(ctx: sc.Ctx, rec: dict[str, Any], calls: list[int]) -> None:
     """torch.distributed.pipelining with one stage per rank, FSDP over both ranks.
 
@@ -228,7 +215,6 @@ def _pipelining(ctx: sc.Ctx, rec: dict[str, Any], calls: list[int]) -> None:
     """
     import torch.distributed as dist
 
-    _pipelining_finds_fsdp_state()
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     pp_groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank makes each group
