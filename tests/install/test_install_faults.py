@@ -147,8 +147,8 @@ def result_of(result: subprocess.CompletedProcess, *, allow_warnings: bool = Fal
 
 
 def assert_patched_as_registered(data: dict, *, missing: tuple = ()) -> None:
-    """Each torch attribute a patch replaces is wrapped exactly once if that patch is applied, else not
-    at all; ``missing`` are the attributes the fault renamed away."""
+    """Each torch attribute carries one wrapper per applied patch that replaces it, and no other;
+    ``missing`` are the attributes the fault renamed away."""
     status = statuses(data["report"])
     assert data["patched"] == expected_wrappers(status, missing), (status, data["patched"])
 
