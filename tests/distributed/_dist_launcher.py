@@ -194,8 +194,10 @@ def run_agents(jobs: list[tuple[list[str], dict[str, str]]], timeout: float, cwd
             except subprocess.TimeoutExpired:
                 for a in agents:
                     _kill_group(a)
-                out, err = agent.communicate()
-                raise AssertionError(f"timed out after {timeout:.0f} s: {agent.args}\n{out}\n{err[-3000:]}") from None
+                # every agent's output: the one that hangs is often not the one waited for
+                printed = [(a.args, *a.communicate()) for a in agents[len(results):]]
+                report = "\n".join(f"--- {args}\n{out}\n{err[-3000:]}" for args, out, err in printed)
+                raise AssertionError(f"timed out after {timeout:.0f} s: {agent.args}\n{report}") from None
             results.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
     finally:
         for agent in agents:  # a rank or grandchild left behind by a finished agent
