@@ -19,11 +19,11 @@ def _report_broken_package(error):
     import traceback
 
     try:
-        from ._hook import our_module_in
+        from ._process import our_module_in
 
         where = our_module_in(error)
     except Exception:  # this module itself is what broke
-        where = "fsdp_autopatch._hook"
+        where = "fsdp_autopatch._process"
     python = sys.version.split()[0]
     sys.stderr.write(
         f"fsdp-autopatch: its module {where} cannot be imported on Python {python} "

@@ -1,22 +1,32 @@
-"""The post-import hook: apply every patch, in order, each one isolated.
+"""Apply every declared patch and policy, in catalogue order, each one isolated.
 
 ``activate`` runs when ``torch.distributed.fsdp._fully_shard`` has been imported (wrapt calls it
 from inside that import, while the parent ``torch.distributed.fsdp`` is still importing: nothing
-here touches the parent). An exception inside one patch is recorded in the registry and never
-reaches the user's ``import torch...``, never stops the other patches, and leaves torch untouched
-(each patch applies all-or-nothing). ``FSDP_AUTOPATCH_STRICT=1`` re-raises instead.
+here touches the parent). For each declaration (``_spec.Patch``) the same steps, written once:
+
+1. the environment decides whether it is tried (``_config.Decision``: the variable and value);
+2. its module is imported and its structural check combined with its version range
+   (``_compat.decide``): needed, not needed or unsupported;
+3. if needed, its targets are replaced all or nothing (``_patching.apply``);
+4. the outcome goes to the registry, with the decision and which check decided.
+
+An exception inside one patch is recorded and never reaches the user's ``import torch...``, never
+stops the other patches, and leaves torch untouched. ``FSDP_AUTOPATCH_STRICT=1`` re-raises instead.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from typing import Any
 
-from . import _hook
-from ._config import PATCH_NAMES, REDUCE_SCATTER_UNUSED_PARAMS, Settings, read_settings, warn
+from packaging.specifiers import SpecifierSet
+
+from . import _compat, _patching, _process, patches
+from ._config import Decision, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
+from ._spec import Patch, Verdict
+from .patches import FIXES, POLICIES
 
 logger = logging.getLogger("fsdp_autopatch")
 logger.addHandler(logging.NullHandler())
@@ -25,36 +35,107 @@ _lock = threading.RLock()  # two threads importing FSDP2 at once must not patch 
 
 
 def activate(module: Any = None) -> None:
-    """Apply the patches. Idempotent; never raises unless ``FSDP_AUTOPATCH_STRICT=1``."""
+    """Apply the patches and policies. Idempotent; never raises unless ``FSDP_AUTOPATCH_STRICT=1``.
+
+    ``module`` is the imported FSDP2 module, as wrapt's post-import hook passes it; unused, since
+    every target is resolved by its dotted path.
+    """
     with _lock:
         settings = _read_settings_safely()
         _configure_logging(settings)
-        REGISTRY.record_torch_version(_torch_version())
-        for name in PATCH_NAMES:
-            patch = _load_isolated(name, settings)
-            if patch is not None:
-                _apply_isolated(patch, settings)
-        _apply_policies(settings)
-        _apply_cross_rank_check(settings)
+        REGISTRY.record_torch_version(_process.torch_version())
+        for name in FIXES:
+            _run_fix(name, settings)
+        for name in POLICIES:
+            _run_policy(name, settings)
 
 
-def _load_isolated(name: str, settings: Settings) -> Any:
-    """The patch's declaration, or None when its module does not import (recorded as failed).
+def _run_fix(name: str, settings: Settings) -> None:
+    status, _ = REGISTRY.get(name)
+    if status is PatchStatus.APPLIED:
+        return  # idempotent: a second activation leaves an applied patch alone
+    decision = settings.decision(name)
+    if not decision.enabled:
+        _record(name, PatchStatus.DISABLED, f"disabled by {decision.describe()}", decision)
+        return
+    patch = _load_isolated(name, settings, decision)
+    if patch is None:
+        return
+    verdict = _verdict_isolated(patch, settings, decision)
+    if verdict is None:
+        return
+    if verdict.status != "needed":
+        _record(name, PatchStatus(verdict.status), verdict.reason, decision, verdict)
+        return
+    try:
+        replaced = _patching.apply(patch)
+    except Exception as error:
+        _record(name, PatchStatus.FAILED, f"{type(error).__name__}: {error}", decision)
+        logger.debug("patch %s failed", name, exc_info=True)
+        if settings.strict:
+            raise
+        return
+    _record(name, PatchStatus.APPLIED, f"{verdict.reason} -> patched: {patch.changes} (wraps {replaced})", decision, verdict)
+
+
+def _load_isolated(name: str, settings: Settings, decision: Decision) -> Patch | None:
+    """The declaration, or None when its module does not import (recorded as failed).
 
     One module at a time: a patch module that fails on this interpreter costs only that patch.
     """
     try:
-        from . import patches
-
         return patches.load_patch(name)
     except Exception as error:
-        status, _ = REGISTRY.get(name)
-        if status is PatchStatus.PENDING:
-            where = _hook.our_module_in(error)
-            _record(name, PatchStatus.FAILED, f"loading the patch failed in {where}: {type(error).__name__}: {error}")
+        where = _process.our_module_in(error)
+        reason = f"loading the patch failed in {where}: {type(error).__name__}: {error}"
+        _record(name, PatchStatus.FAILED, reason, decision)
         if settings.strict:
             raise
         return None
+
+
+def _verdict_isolated(patch: Patch, settings: Settings, decision: Decision) -> Verdict | None:
+    """"Needed here?", or None when the check itself could not answer (recorded)."""
+    try:
+        return verdict_of(patch)
+    except (ImportError, AttributeError) as error:
+        # The internals the patch inspects are not there: this torch is shaped differently.
+        reason = f"torch internals differ: {type(error).__name__}: {error}"
+        _record(patch.name, PatchStatus.UNSUPPORTED, reason, decision)
+    except Exception as error:
+        _record(patch.name, PatchStatus.FAILED, f"check raised {type(error).__name__}: {error}", decision)
+        if settings.strict:
+            raise
+    return None
+
+
+def verdict_of(patch: Patch) -> Verdict:
+    """The patch's structural check, combined with the releases measured to have its bug."""
+    return _compat.decide(patch.check(), _compat.torch_release(), SpecifierSet(patch.affected))
+
+
+def _run_policy(name: str, settings: Settings) -> None:
+    """A policy is recorded under ``policies`` only when it is switched on (its own variable)."""
+    decision = settings.decision(name)
+    if not decision.enabled:
+        return
+    try:
+        patch = patches.load_patch(name)
+        verdict = verdict_of(patch)
+        if verdict.status != "needed":
+            message = f"requested but not applied: {verdict.reason}"
+            REGISTRY.record_policy(name, message)
+            if decision.variable:
+                warn(decision.variable, f"{decision.describe()} {message}")
+            return
+        _patching.apply(patch)
+        REGISTRY.record_policy(name, patch.changes)
+    except Exception as error:  # a policy is never a reason for the user's import to fail
+        where = _process.our_module_in(error)
+        REGISTRY.record_policy(name, f"not armed: {type(error).__name__}: {error} (in {where})")
+        logger.debug("policy %s not armed", name, exc_info=True)
+        if settings.strict and decision.variable is not None:
+            raise  # strict: a policy the user asked for by its variable must be in force
 
 
 def _read_settings_safely() -> Settings:
@@ -65,91 +146,11 @@ def _read_settings_safely() -> Settings:
         return Settings()
 
 
-def _torch_version() -> str | None:
-    torch = sys.modules.get("torch")
-    return str(getattr(torch, "__version__", "unknown")) if torch is not None else None
-
-
-def _apply_isolated(patch: Any, settings: Settings) -> None:
-    status, _ = REGISTRY.get(patch.name)
-    if status is PatchStatus.APPLIED:
-        return  # idempotent: a second activation leaves an applied patch alone
-    enabled, why = settings.patch_enabled(patch.name)
-    if not enabled:
-        _record(patch.name, PatchStatus.DISABLED, f"disabled by {why}")
-        return
-    try:
-        verdict = patch.check()
-    except (ImportError, AttributeError) as error:
-        # The internals the patch inspects are not there: this torch is shaped differently.
-        _record(patch.name, PatchStatus.UNSUPPORTED, f"torch internals differ: {type(error).__name__}: {error}")
-        return
-    except Exception as error:
-        _record(patch.name, PatchStatus.FAILED, f"check raised {type(error).__name__}: {error}")
-        if settings.strict:
-            raise
-        return
-    try:
-        if verdict.status == "needed":
-            changed = patch.apply()
-            _record(patch.name, PatchStatus.APPLIED, f"{verdict.reason} -> patched: {changed}", verdict)
-        else:
-            _record(patch.name, PatchStatus(verdict.status), verdict.reason, verdict)
-    except Exception as error:
-        _record(patch.name, PatchStatus.FAILED, f"{type(error).__name__}: {error}")
-        logger.debug("patch %s failed", patch.name, exc_info=True)
-        if settings.strict:
-            raise
-
-
-def _apply_policies(settings: Settings) -> None:
-    if not settings.reduce_scatter_unused_params:
-        return
-    try:
-        # Inside the try: has_native_api() looks up FSDPModule, which raised AttributeError out of
-        # the hook (and so out of the user's `import torch.distributed.fsdp`) when torch's internals
-        # differ (tests/unit/test_fault_injection.py).
-        from .patches import unused_param_reduction
-
-        status, _ = REGISTRY.get("unused_param_reduction")
-        # The policy needs a fill: torch's own (>= 2.13, whatever the backport's toggle) or the backport.
-        if status is not PatchStatus.APPLIED and not unused_param_reduction.has_native_api():
-            message = f"requested but not applied: no unused-param fill (unused_param_reduction is {status.value})"
-            REGISTRY.record_policy("reduce_scatter_unused_params_default_on", message)
-            warn(REDUCE_SCATTER_UNUSED_PARAMS, f"{REDUCE_SCATTER_UNUSED_PARAMS}=1 {message}")
-            return
-        description = unused_param_reduction.apply_default_on_policy()
-        REGISTRY.record_policy(
-            "reduce_scatter_unused_params_default_on",
-            f"{description} (FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1)",
-        )
-    except Exception as error:
-        REGISTRY.record_policy(
-            "reduce_scatter_unused_params_default_on", f"failed: {type(error).__name__}: {error}"
-        )
-        if settings.strict:
-            raise
-
-
-def _apply_cross_rank_check(settings: Settings) -> None:
-    """Every rank of a process group must run the same patches (see ``_consistency``)."""
-    if not settings.cross_rank_check:
-        return
-    try:
-        from . import _consistency
-
-        REGISTRY.record_policy(_consistency.NAME, _consistency.apply())
-    except Exception as error:  # the check is a safety net: never a reason for import torch to fail
-        where = _hook.our_module_in(error)
-        REGISTRY.record_policy("cross_rank_check", f"not armed: {type(error).__name__}: {error} (in {where})")
-        logger.debug("cross-rank check not armed", exc_info=True)
-
-
-def _record(name: str, status: PatchStatus, reason: str, verdict: Any = None) -> None:
+def _record(
+    name: str, status: PatchStatus, reason: str, decision: Decision | None = None, verdict: Verdict | None = None
+) -> None:
     decided_by = verdict.decided_by if verdict is not None else ""
-    if decided_by:
-        reason = f"{reason} [decided by the {decided_by}]"
-    REGISTRY.record(name, status, reason, decided_by)
+    REGISTRY.record(name, status, reason, decided_by, decision)
     level = logging.WARNING if status is PatchStatus.FAILED else logging.INFO
     logger.log(level, "%s: %s (%s)", name, status.value, reason)
 
@@ -169,11 +170,9 @@ def _configure_logging(settings: Settings) -> None:
 def revert_all() -> None:
     """Undo every patch and policy and mark them pending again (tests)."""
     from . import _consistency
-    from .patches import load_patches, unused_param_reduction
 
     with _lock:
         _consistency.revert()
-        unused_param_reduction.revert_default_on_policy()
-        for patch in reversed(load_patches()):
-            patch.revert()
+        for name in reversed(FIXES + POLICIES):
+            _patching.revert(name)
         REGISTRY.reset()

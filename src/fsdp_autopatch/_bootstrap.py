@@ -18,14 +18,13 @@ import sys
 
 # The kill switch's name, the same as ``_config.KILL_SWITCH`` (tests/unit/test_bootstrap.py checks).
 # Spelled here so that a start without the variable, the usual case, imports only this package's
-# ``__init__`` and this module: ``_config`` (and ``_version``) are no longer loaded at every
-# interpreter start, two modules fewer, about 0.3-0.5 ms of the ~1 ms the .pth cost
+# ``__init__`` and this module: every other module costs ~0.1-0.3 ms at every interpreter start
 # (bench/startup.py, docs/performance.md).
 KILL_SWITCH = "FSDP_AUTOPATCH_ENABLED"
 
-HOOK_TARGET = "torch.distributed.fsdp._fully_shard"
-
-# How the plugin started in this process: "pth", "start", "explicit"; None = not yet.
+# The process facts the rest of the package reads through ``_process`` (which looks them up here
+# in ``sys.modules``, so that this module imports nothing of ours at start-up):
+# how the plugin started in this process: "pth", "start", "explicit"; None = not yet.
 source = None
 # The FSDP_AUTOPATCH_ENABLED value that stopped the bootstrap from arming anything, or None.
 disabled_at_start = None
@@ -154,6 +153,7 @@ def register_hook():
     """Register the wrapt post-import hook on torch's FSDP2 once; fires now if already imported."""
     global _hook_registered
     from . import _hook  # stdlib only; here, not at interpreter start: only torch processes need it
+    from ._process import HOOK_TARGET
 
     if _hook_registered:
         # Already armed; if FSDP2 is already imported the patches ran, but an explicit install()

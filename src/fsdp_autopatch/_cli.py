@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Sequence
 
-from ._registry import HOOK_TARGET, REGISTRY, PatchStatus, StatusReport
+from ._process import HOOK_TARGET
+from ._registry import REGISTRY, PatchStatus, StatusReport
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,16 +70,15 @@ def _import_fsdp2() -> None:
     try:
         import torch.distributed.fsdp  # noqa: F401
     except Exception as error:
-        _mark_pending(f"torch.distributed.fsdp could not be imported ({type(error).__name__}: {error})")
+        _mark_pending_unsupported(f"torch.distributed.fsdp could not be imported ({type(error).__name__}: {error})")
         return
     if HOOK_TARGET not in sys.modules:
-        _mark_pending(f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)")
+        _mark_pending_unsupported(f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)")
 
 
-def _mark_pending(reason: str) -> None:
-    for record in REGISTRY.snapshot().patches:
-        if record.status is PatchStatus.PENDING:
-            REGISTRY.record(record.name, PatchStatus.UNSUPPORTED, reason)
+def _mark_pending_unsupported(reason: str) -> None:
+    """FSDP2 cannot be imported here: every patch still pending can never apply."""
+    REGISTRY.settle_pending(PatchStatus.UNSUPPORTED, reason)
 
 
 def format_table(report: StatusReport) -> str:

@@ -1,54 +1,37 @@
-"""Helpers the patches share: torch version parsing, FSDP2 internals lookup, atomic patching.
+"""FSDP2 internals, walked in one place: torch's version, "needed here?", and what a patch reads.
 
-Imported only once torch's FSDP2 is being imported, so torch, wrapt and packaging are fair game.
+* the version: which release a torch build belongs to, and :func:`decide`, which combines a
+  patch's structural check with the releases measured to have its bug;
+* inspection: an attribute as a class defines it, which names a function's bytecode reads;
+* FSDP2's object graph, as every patch needs it: a state's param groups, a group's reduction
+  domain, whether this rank holds a local gradient for a parameter. Patches that must agree
+  (the unused-param fill and the restore) read these from here, never on their own.
+
+Imported only once torch's FSDP2 is being imported, so packaging is fair game; torch itself is
+never imported here (the patches' objects are handed in).
 """
 
 from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any
 
-import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-FSDP2_PACKAGE = "torch.distributed.fsdp._fully_shard"
+from . import _process
+from ._spec import STRUCTURE, VERSION_AND_STRUCTURE, Verdict
+
+FSDP2_PACKAGE = _process.HOOK_TARGET
 
 # The releases whose FSDP2 internals were read and tested (docs/compatibility.md). Inside this
 # range a patch's version range and its structural check must agree; outside it (2.16 nightlies,
 # unparsable versions) the structural check decides alone.
 MEASURED_RELEASES = SpecifierSet(">=2.6,<2.16")
 
-STRUCTURE = "structural check"
-VERSION_AND_STRUCTURE = "version range and structural check"
 
-
-class Verdict(NamedTuple):
-    """A patch's answer to "needed here?".
-
-    ``status`` is "needed", "not_needed" or "unsupported"; ``decided_by`` says which check
-    decided it (:data:`STRUCTURE` or :data:`VERSION_AND_STRUCTURE`).
-    """
-
-    status: str
-    reason: str
-    decided_by: str = STRUCTURE
-
-
-def needed(reason: str) -> Verdict:
-    return Verdict("needed", reason)
-
-
-def not_needed(reason: str) -> Verdict:
-    return Verdict("not_needed", reason)
-
-
-def unsupported(reason: str) -> Verdict:
-    return Verdict("unsupported", reason)
-
-
-def decide(structural: Verdict, version: Version | None, affected: SpecifierSet, bug: str) -> Verdict:
+def decide(structural: Verdict, version: Version | None, affected: SpecifierSet, bug: str = "the bug") -> Verdict:
     """Combine a patch's structural check with the releases known to have its bug.
 
     * structure unsupported: the internals the patch wraps are not there; torch stays untouched.
@@ -57,7 +40,8 @@ def decide(structural: Verdict, version: Version | None, affected: SpecifierSet,
     * the structure shows the buggy code on a release thought fixed: patch it (the wrapper only
       changes behaviour where the bug would strike), decided by the structure.
     * the structure shows no bug on a release known to have it (a vendor build?): we cannot tell
-      where the bug went, so torch is left untouched ("unsupported").
+      where the bug went, so torch is left untouched ("unsupported"), unless the structural
+      verdict is conclusive (torch's own fix is there, or nothing for the patch to act on).
     """
     where = describe(version)
     if structural.status == "unsupported":
@@ -73,6 +57,8 @@ def decide(structural: Verdict, version: Version | None, affected: SpecifierSet,
         )
     if structural.status == "needed":
         return Verdict("needed", f"{where}: {structural.reason}, outside the version range ({known})", STRUCTURE)
+    if structural.conclusive:
+        return Verdict(structural.status, f"{where}: {structural.reason}", STRUCTURE)
     return Verdict(
         "unsupported",
         f"{where}: {structural.reason}, inside the version range ({known}): this build differs from the "
@@ -103,8 +89,9 @@ def parse_torch_version(raw: str) -> Version | None:
 
 
 def torch_release() -> Version | None:
-    torch = sys.modules.get("torch")
-    return parse_torch_version(getattr(torch, "__version__", "")) if torch else None
+    """The release of the torch in this process (or installed), parsed; None if unknown."""
+    raw = _process.torch_version()
+    return parse_torch_version(raw) if raw is not None else None
 
 
 def describe(version: Version | None) -> str:
@@ -170,6 +157,11 @@ def first_parameters(func: Any, count: int) -> tuple[str, ...]:
     return tuple(code.co_varnames[:count]) if code is not None else ()
 
 
+def fsdp_class(module: str, name: str) -> type:
+    """A class of torch's FSDP2, e.g. ``fsdp_class("_fsdp_param_group", "FSDPParamGroup")``."""
+    return getattr(fsdp_module(module), name)
+
+
 def state_param_groups(state: Any) -> list[Any]:
     """An FSDP2 state's ``FSDPParamGroup``s: torch >= 2.12 keeps a list, older ones keep one or None."""
     groups = getattr(state, "_fsdp_param_groups", None)
@@ -179,53 +171,37 @@ def state_param_groups(state: Any) -> list[Any]:
     return [group] if group is not None else []
 
 
-# --- atomic, reversible patching ---------------------------------------------------------------
-
-_MISSING = object()
-# patch name -> the (owner, attribute, original) triples it replaced, in order
-_applied: dict[str, list[tuple[Any, str, Any]]] = {}
+def all_param_groups(root_state: Any) -> list[Any]:
+    """Every ``FSDPParamGroup`` under a root state, in module-tree order (the same on every rank)."""
+    return [group for state in root_state._state_ctx.all_states for group in state_param_groups(state)]
 
 
-def is_applied(patch_name: str) -> bool:
-    return patch_name in _applied
+def reduction_domain(group: Any) -> tuple[Any, ...]:
+    """The process groups a unit's gradients are reduced over: its shard group, plus the replicate
+    group under HSDP; groups of one rank are left out (nothing to reduce with)."""
+    mesh_info = group.mesh_info
+    domain = []
+    for attribute in ("shard_process_group", "replicate_process_group"):
+        process_group = getattr(mesh_info, attribute, None)
+        if process_group is not None and process_group.size() > 1:
+            domain.append(process_group)
+    return tuple(domain)
 
 
-def wrap(original: Any, wrapper: Callable[..., Any]) -> Any:
-    """A wrapt ``FunctionWrapper``: keeps the original's name, docstring and signature."""
-    return wrapt.FunctionWrapper(original, wrapper)
+def unsharded_param(fsdp_param: Any) -> Any:
+    """The parameter's unsharded tensor, or None if its unit never ran forward on this rank
+    (FSDP2 creates ``_unsharded_param`` lazily at the first unshard)."""
+    return vars(fsdp_param).get("_unsharded_param")
 
 
-def replace_all(patch_name: str, replacements: Iterable[tuple[Any, str, Any]]) -> None:
-    """Set every ``owner.attribute = value``, all or nothing; idempotent per patch name.
+def has_local_grad(fsdp_param: Any) -> bool:
+    """Whether this rank's backward produced a gradient for the parameter since its last reduction:
+    an unsharded gradient, or one accumulated in ``reduce_dtype`` (gradient accumulation).
 
-    If any assignment fails, the ones already made are undone before the error propagates, so
-    half-applied is never a state torch is left in.
+    Usage is gradient *presence*, never a zero value. The unused-param fill and the restore both
+    decide from this, so they always agree on what "unused" means.
     """
-    if patch_name in _applied:
-        return
-    done: list[tuple[Any, str, Any]] = []
-    try:
-        for owner, attribute, value in replacements:
-            original = vars(owner).get(attribute, _MISSING)
-            setattr(owner, attribute, value)
-            done.append((owner, attribute, original))
-    except BaseException:
-        _undo(done)
-        raise
-    _applied[patch_name] = done
-
-
-def revert(patch_name: str) -> None:
-    """Undo one patch (tests). Revert patches in the reverse order of application."""
-    _undo(_applied.pop(patch_name, []))
-
-
-def _undo(done: list[tuple[Any, str, Any]]) -> None:
-    for owner, attribute, original in reversed(done):
-        if original is _MISSING:
-            try:
-                delattr(owner, attribute)
-            except AttributeError:
-                pass
-        else:
-            setattr(owner, attribute, original)
+    unsharded = unsharded_param(fsdp_param)
+    if unsharded is None:
+        return False
+    return unsharded.grad is not None or getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None

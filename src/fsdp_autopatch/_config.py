@@ -27,14 +27,13 @@ LOG_LEVEL = "FSDP_AUTOPATCH_LOG_LEVEL"
 REDUCE_SCATTER_UNUSED_PARAMS = "FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS"
 CROSS_RANK_CHECK = "FSDP_AUTOPATCH_CROSS_RANK_CHECK"
 
-# Kept here (not imported from .patches) so that the bootstrap and the registry can name the
-# patches without importing any patch code. The order is the order in which they are applied.
-PATCH_NAMES = (
-    "accumulated_grad_guard",
-    "unused_param_reduction",
-    "uniform_reduce_dtype",
-    "restore_unused_param_grads",
-)
+from .patches import PATCH_NAMES  # stdlib only: the catalogue's names, no patch code
+
+# Each policy's own switch (a policy keeps the variable users know; patches derive theirs).
+POLICY_VARIABLES = {
+    "reduce_scatter_unused_params_default_on": REDUCE_SCATTER_UNUSED_PARAMS,
+    "cross_rank_check": CROSS_RANK_CHECK,
+}
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -107,6 +106,30 @@ def _quoted(value: str) -> str:
     return f"{value[:_SHOWN_MAX]!r}...[{len(value)} characters]"
 
 
+class Decision:
+    """Whether one patch or policy is on, and what decided it: ``variable`` (None for the default)
+    and the ``value`` it had. A plain class: no ``typing``/``collections`` on the start-up path."""
+
+    __slots__ = ("enabled", "variable", "value")
+
+    def __init__(self, enabled: bool, variable: "str | None" = None, value: "str | None" = None) -> None:
+        self.enabled = enabled
+        self.variable = variable
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Decision):
+            return NotImplemented
+        return (self.enabled, self.variable, self.value) == (other.enabled, other.variable, other.value)
+
+    def __repr__(self) -> str:
+        return f"Decision(enabled={self.enabled}, variable={self.variable!r}, value={self.value!r})"
+
+    def describe(self) -> str:
+        """``FSDP_AUTOPATCH_DISABLED=uniform_reduce_dtype`` (shortened when long), or ``default``."""
+        return f"{self.variable}={_shown(self.value)}" if self.variable else "default"
+
+
 class Settings:
     """Everything the ``FSDP_AUTOPATCH_*`` variables decide, read once per activation.
 
@@ -117,14 +140,14 @@ class Settings:
     def __init__(
         self,
         enabled: bool = True,
-        patches: "Mapping[str, tuple[bool, str]] | None" = None,
+        patches: "Mapping[str, Decision] | None" = None,
         strict: bool = False,
         log_level: "str | None" = None,
         reduce_scatter_unused_params: bool = False,
         cross_rank_check: bool = True,
     ) -> None:
         self.enabled = enabled
-        # patch name -> (enabled?, why: the variable and value that decided, or "default")
+        # patch name -> Decision (enabled?, and the variable and value that decided it)
         self.patches = dict(patches or {})
         self.strict = strict
         self.log_level = log_level
@@ -134,8 +157,16 @@ class Settings:
     def __repr__(self) -> str:
         return f"Settings({self.__dict__!r})"
 
-    def patch_enabled(self, name: str) -> tuple[bool, str]:
-        return self.patches.get(name, (self.enabled, "default"))
+    def decision(self, name: str) -> Decision:
+        """Whether a patch or policy is on, and why. A policy follows its own variable only (the kill
+        switch and the list name patches); a patch read_settings did not know follows the kill switch."""
+        if name in self.patches:
+            return self.patches[name]
+        if name == "reduce_scatter_unused_params_default_on":
+            return Decision(self.reduce_scatter_unused_params)
+        if name == "cross_rank_check":
+            return Decision(self.cross_rank_check)
+        return Decision(True) if self.enabled else Decision(False, KILL_SWITCH, "0")
 
 
 def read_settings(
@@ -149,7 +180,7 @@ def read_settings(
     for name in PATCH_NAMES:
         patches[name] = _decide_patch(environ, name, enabled, disabled_list, warn)
     _warn_unknown_variables(environ, warn)
-    return Settings(
+    settings = Settings(
         enabled=enabled,
         patches=patches,
         strict=_read_bool(environ, STRICT, False, warn),
@@ -157,6 +188,11 @@ def read_settings(
         reduce_scatter_unused_params=_read_bool(environ, REDUCE_SCATTER_UNUSED_PARAMS, False, warn),
         cross_rank_check=_read_bool(environ, CROSS_RANK_CHECK, True, warn),
     )
+    for name, variable in POLICY_VARIABLES.items():
+        on = settings.decision(name).enabled
+        decided = parse_bool(environ.get(variable)) is not None  # a malformed value left the default
+        settings.patches[name] = Decision(on, variable, environ[variable]) if decided else Decision(on)
+    return settings
 
 
 def _read_bool(environ, variable, default, warn) -> bool:
@@ -195,16 +231,16 @@ def _read_disabled_list(environ, warn) -> frozenset[str]:
     return frozenset(names & set(PATCH_NAMES))
 
 
-def _decide_patch(environ, name, enabled, disabled_list, warn) -> tuple[bool, str]:
+def _decide_patch(environ, name, enabled, disabled_list, warn) -> Decision:
     variable = patch_env_var(name)
     if not enabled:
-        return False, f"{KILL_SWITCH}={_shown(environ.get(KILL_SWITCH))}"
+        return Decision(False, KILL_SWITCH, environ.get(KILL_SWITCH))
     own = _read_bool(environ, variable, None, warn) if variable in environ else None
     if own is not None:
-        return own, f"{variable}={_shown(environ[variable])}"
+        return Decision(own, variable, environ[variable])
     if name in disabled_list:
-        return False, f"{DISABLED_LIST}={_shown(environ.get(DISABLED_LIST))}"
-    return True, "default"
+        return Decision(False, DISABLED_LIST, environ.get(DISABLED_LIST))
+    return Decision(True)
 
 
 def _read_log_level(environ, warn) -> "str | None":

@@ -61,8 +61,10 @@ import json
 import logging
 from typing import Any, NamedTuple
 
-from . import _compat
+from . import _compat, _patching
+from ._config import CROSS_RANK_CHECK
 from ._registry import REGISTRY
+from ._spec import POLICY, Patch, Verdict, Wrap, needed
 
 NAME = "cross_rank_check"
 _CHECKED = "_fsdp_autopatch_cross_rank_checked"  # FSDPState attribute: this root was checked
@@ -91,17 +93,14 @@ def fingerprint() -> dict[str, str]:
     return items
 
 
-def apply() -> str:
-    state_cls = _compat.fsdp_module("_fsdp_state").FSDPState
-    lazy_init = _compat.class_attr(state_cls, "_lazy_init")
-    if lazy_init is None:
-        raise AttributeError("FSDPState._lazy_init not found")
-    _compat.replace_all(NAME, [(state_cls, "_lazy_init", _compat.wrap(lazy_init, _check_after_lazy_init))])
-    return ARMED
+def _structural_check() -> Verdict:
+    # The root's _lazy_init runs before its first forward, before any FSDP2 collective.
+    _patching.original_of(_compat.fsdp_class("_fsdp_state", "FSDPState"), "_lazy_init")
+    return needed("FSDPState._lazy_init runs before the root's first collective")
 
 
 def revert() -> None:
-    _compat.revert(NAME)
+    _patching.revert(NAME)
     _checked_groups.clear()
     _skipped.clear()
 
@@ -369,3 +368,19 @@ def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:_MAX_RANKS_SHOWN]))
     more = f" and {len(ranks) - _MAX_RANKS_SHOWN} more" if len(ranks) > _MAX_RANKS_SHOWN else ""
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="every rank of a process group runs the same patches, checked at the first forward",
+    symptom="ranks with different patches issue different collectives: NCCL hangs, gloo aborts",
+    trigger="one node's environment differs (a patch switched off, another torch, no plugin)",
+    upstream=(),
+    affected=">=2.6",
+    check=_structural_check,
+    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState._lazy_init", _check_after_lazy_init),),
+    changes=ARMED,
+    kind=POLICY,
+    variable=CROSS_RANK_CHECK,
+    default=True,
+)

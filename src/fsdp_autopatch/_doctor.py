@@ -16,9 +16,10 @@ import sys
 import warnings
 from typing import Any, NamedTuple
 
-from . import _bootstrap, _hook
+from . import _hook, _process
 from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
-from ._registry import HOOK_TARGET, REGISTRY, PatchStatus
+from ._process import HOOK_TARGET
+from ._registry import REGISTRY, PatchStatus
 
 PTH_NAME = "fsdp_autopatch.pth"
 START_NAME = "fsdp_autopatch.start"
@@ -119,15 +120,15 @@ def _startup_file() -> Finding:
 
 
 def _bootstrap_ran() -> Finding:
-    if _bootstrap.disabled_at_start is not None:
+    if _process.disabled_at_start() is not None:
         return Finding(
             "bootstrap", PROBLEM,
-            f"ran, but {KILL_SWITCH}={_bootstrap.disabled_at_start.strip()} at interpreter start: nothing is armed",
+            f"ran, but {KILL_SWITCH}={_process.disabled_at_start().strip()} at interpreter start: nothing is armed",
             f"unset {KILL_SWITCH} (or set it to 1)",
         )
-    if _bootstrap.source in ("pth", "start"):
-        return Finding("bootstrap", OK, f"ran at interpreter start (from the .{_bootstrap.source} file)")
-    if _bootstrap.source == "explicit":
+    if _process.started_by() in ("pth", "start"):
+        return Finding("bootstrap", OK, f"ran at interpreter start (from the .{_process.started_by()} file)")
+    if _process.started_by() == "explicit":
         return Finding("bootstrap", OK, "armed by an explicit fsdp_autopatch.install()")
     if sys.flags.no_site:
         return Finding(
@@ -163,7 +164,7 @@ def _environment() -> list[Finding]:
             f"{CROSS_RANK_CHECK}=0: ranks with different patches are not stopped at the first forward",
             f"set {CROSS_RANK_CHECK}=0 on every rank of the job or on none",
         ))
-    if not settings.enabled and _bootstrap.disabled_at_start is None:
+    if not settings.enabled and _process.disabled_at_start() is None:
         findings.append(Finding(
             "environment", PROBLEM, f"{KILL_SWITCH}={os.environ.get(KILL_SWITCH)!r} turns every patch off",
             f"unset {KILL_SWITCH}",
@@ -182,16 +183,16 @@ def _torch_and_patches() -> list[Finding]:
     if error is not None:
         return [Finding("torch", PROBLEM, f"torch {version}: {error}", "use torch >= 2.6 (FSDP2); see docs/compatibility.md")]
     findings = [Finding("torch", OK, f"torch {version}, FSDP2 at {HOOK_TARGET}")]
-    if _hook.hook_failure is not None:
+    if _process.hook_failure is not None:
         findings.append(Finding(
             "hook", PROBLEM,
-            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({_hook.hook_failure}); "
+            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({_process.hook_failure}); "
             "your import went on, torch is untouched by the patches that did not apply",
             f"report it with `fsdp-autopatch doctor --json` (Python {sys.version.split()[0]}); "
             "meanwhile use a fsdp-autopatch release that works on this interpreter",
         ))
     report = REGISTRY.snapshot()
-    armed = _bootstrap.source is not None and _bootstrap.disabled_at_start is None
+    armed = _process.armed()
     findings += _policy_findings(report.policies)
     for record in report.patches:
         finding = _patch_finding(record)
@@ -234,9 +235,9 @@ def _policy_findings(policies: dict[str, str]) -> list[Finding]:
 
 def _how_to_enable(record: Any) -> str:
     """The variable that really switched this patch off (the kill switch wins over the others)."""
-    if KILL_SWITCH in record.reason:
+    if record.variable == KILL_SWITCH:
         return f"unset {KILL_SWITCH} (it turns every patch off)"
-    if DISABLED_LIST in record.reason:
+    if record.variable == DISABLED_LIST:
         return f"remove {record.name} from {DISABLED_LIST} (or set {record.env}=1)"
     return f"unset {record.env} or set it to 1"
 
@@ -260,7 +261,7 @@ def _import_fsdp2() -> str | None:
         return f"torch.distributed.fsdp cannot be imported ({type(error).__name__}: {error})"
     if HOOK_TARGET not in sys.modules:
         return f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)"
-    if all(r.status is PatchStatus.PENDING for r in REGISTRY.snapshot().patches) and _bootstrap.disabled_at_start is None:
+    if all(r.status is PatchStatus.PENDING for r in REGISTRY.snapshot().patches) and _process.disabled_at_start() is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConfigWarning)
             # what the patches would do had the bootstrap run (the hook never raises, but strict)

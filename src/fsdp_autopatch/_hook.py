@@ -13,17 +13,13 @@ Imported by the bootstrap when torch starts executing, never at interpreter star
 
 import os
 
-STRICT = "FSDP_AUTOPATCH_STRICT"  # the same as ``_config.STRICT``, which may be what broke
-_PACKAGE = __name__.rsplit(".", 1)[0]
+from . import _process
 
-# When our own code raised inside the hook: "<our module>: <Type>: <message>", else None. Kept in
-# this module because the module that failed may be the registry itself.
-hook_failure = None
+STRICT = "FSDP_AUTOPATCH_STRICT"  # the same as ``_config.STRICT``, which may be what broke
 
 
 def on_fsdp_import(module):
     """wrapt's post-import hook for ``torch.distributed.fsdp._fully_shard``."""
-    global hook_failure
     try:
         from ._activate import activate
 
@@ -31,30 +27,17 @@ def on_fsdp_import(module):
     except Exception as error:
         if strict():
             raise  # asked for: the patch's error (already recorded by activate) or ours, to the import
-        hook_failure = f"{our_module_in(error)}: {type(error).__name__}: {error}"
+        failure = f"{_process.our_module_in(error)}: {type(error).__name__}: {error}"
+        _process.hook_failure = failure
         record_every_patch(
             "failed",
-            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({hook_failure}); torch left untouched by it",
+            f"fsdp-autopatch's own code raised in the FSDP2 import hook ({failure}); torch left untouched by it",
         )
 
 
 def strict():
     """``FSDP_AUTOPATCH_STRICT`` read without ``_config``; its value is only compared with fixed words."""
     return os.environ.get(STRICT, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def our_module_in(error):
-    """The innermost module of this package in ``error``'s traceback, e.g. ``fsdp_autopatch._config``
-    (the package's name when none is: a file of ours that does not even compile names itself in
-    the ``SyntaxError`` message)."""
-    found = _PACKAGE
-    tb = error.__traceback__
-    while tb is not None:
-        name = tb.tb_frame.f_globals.get("__name__", "")
-        if name == _PACKAGE or name.startswith(_PACKAGE + "."):
-            found = name
-        tb = tb.tb_next
-    return found
 
 
 def record_every_patch(status, reason):

@@ -7,16 +7,15 @@ FSDP2, while another thread reads ``fsdp_autopatch.status()``.
 from __future__ import annotations
 
 import enum
-import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
 
-from . import _bootstrap
-from ._config import KILL_SWITCH, PATCH_NAMES, patch_env_var
+from . import _process
+from ._config import KILL_SWITCH, patch_env_var
+from ._process import HOOK_TARGET
 from ._version import __version__
-
-HOOK_TARGET = "torch.distributed.fsdp._fully_shard"
+from .patches import PATCH_NAMES
 
 
 class PatchStatus(str, enum.Enum):
@@ -44,14 +43,20 @@ class PatchRecord:
     # which check decided applied / not_needed / unsupported: "structural check" or
     # "version range and structural check"; empty for pending, disabled and failed
     decided_by: str = ""
+    # the environment variable that decided whether the patch was tried, and its value; None when
+    # the default decided (the patch is on unless a variable says otherwise)
+    variable: Optional[str] = None
+    value: Optional[str] = None
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "status": self.status.value,
             "reason": self.reason,
             "env": self.env,
             "decided_by": self.decided_by,
+            "variable": self.variable,
+            "value": self.value,
         }
 
 
@@ -84,10 +89,23 @@ class StatusReport:
 _PENDING_REASON = f"waiting for {HOOK_TARGET} to be imported"
 
 
+class _Entry:
+    """One patch's record as the registry keeps it (mutable under the registry's lock)."""
+
+    __slots__ = ("status", "reason", "decided_by", "variable", "value")
+
+    def __init__(self, status: PatchStatus, reason: str, decided_by: str = "", variable=None, value=None) -> None:
+        self.status = PatchStatus(status)
+        self.reason = reason
+        self.decided_by = decided_by
+        self.variable = variable
+        self.value = value
+
+
 class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._records: dict[str, tuple[PatchStatus, str, str]] = {}
+        self._records: dict[str, _Entry] = {}
         self._policies: dict[str, str] = {}
         self._torch_version: str | None = None
         self.reset()
@@ -95,19 +113,24 @@ class Registry:
     def reset(self) -> None:
         """Every patch back to pending (tests; a fresh process starts like this)."""
         with self._lock:
-            self._records = {name: (PatchStatus.PENDING, _PENDING_REASON, "") for name in PATCH_NAMES}
+            self._records = {name: _Entry(PatchStatus.PENDING, _PENDING_REASON) for name in PATCH_NAMES}
             self._policies = {}
 
-    def record(self, name: str, status: PatchStatus, reason: str, decided_by: str = "") -> None:
+    def record(
+        self, name: str, status: PatchStatus, reason: str, decided_by: str = "", decision: Any = None
+    ) -> None:
+        """``decision``: the ``_config.Decision`` that let the patch be tried or switched it off."""
+        variable = getattr(decision, "variable", None)
+        value = getattr(decision, "value", None)
         with self._lock:
-            self._records[name] = (PatchStatus(status), reason, decided_by)
+            self._records[name] = _Entry(status, reason, decided_by, variable, value)
 
     def settle_pending(self, status: PatchStatus | str, reason: str) -> None:
         """Give every patch still pending ``status`` (the hook failed, or could not be armed)."""
         with self._lock:
-            for name, (current, _, _) in list(self._records.items()):
-                if current is PatchStatus.PENDING:
-                    self._records[name] = (PatchStatus(status), reason, "")
+            for name, entry in list(self._records.items()):
+                if entry.status is PatchStatus.PENDING:
+                    self._records[name] = _Entry(status, reason)
 
     def record_policy(self, name: str, description: str) -> None:
         with self._lock:
@@ -119,45 +142,33 @@ class Registry:
 
     def get(self, name: str) -> tuple[PatchStatus, str]:
         with self._lock:
-            status, reason, _ = self._records[name]
-            return status, reason
+            entry = self._records[name]
+            return entry.status, entry.reason
 
     def snapshot(self) -> StatusReport:
-        torch_version = self._torch_version or _torch_version_without_import()
+        torch_version = self._torch_version or _process.torch_version()
         with self._lock:
-            patches = tuple(
-                PatchRecord(name, *_explain_pending(status, reason, torch_version), patch_env_var(name), decided_by)
-                for name, (status, reason, decided_by) in self._records.items()
-            )
+            patches = tuple(_explain_pending(_as_record(name, e), torch_version) for name, e in self._records.items())
             policies = dict(self._policies)
-        return StatusReport(__version__, torch_version, _bootstrap.source or "not_run", patches, policies)
+        return StatusReport(__version__, torch_version, _process.started_by() or "not_run", patches, policies)
 
 
-def _explain_pending(
-    status: PatchStatus, reason: str, torch_version: str | None
-) -> tuple[PatchStatus, str]:
+def _as_record(name: str, entry: _Entry) -> PatchRecord:
+    env = patch_env_var(name)
+    return PatchRecord(name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value)
+
+
+def _explain_pending(record: PatchRecord, torch_version: str | None) -> PatchRecord:
     """What "pending" really means when it can never change: kill switch at start, or no torch."""
-    if status is PatchStatus.PENDING and _bootstrap.disabled_at_start is not None:
-        value = _bootstrap.disabled_at_start.strip()
-        return PatchStatus.DISABLED, f"disabled by {KILL_SWITCH}={value} at interpreter start (nothing armed)"
-    if status is PatchStatus.PENDING and torch_version is None:
-        return PatchStatus.UNSUPPORTED, "torch is not installed in this environment"
-    return status, reason
-
-
-def _torch_version_without_import() -> str | None:
-    """torch's version without importing torch (that takes seconds): from sys.modules or metadata."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return str(getattr(torch, "__version__", "unknown"))
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch")
-    except PackageNotFoundError:
-        return None
-    except Exception:
-        return None
+    if record.status is not PatchStatus.PENDING:
+        return record
+    stopped_by = _process.disabled_at_start()
+    if stopped_by is not None:
+        reason = f"disabled by {KILL_SWITCH}={stopped_by.strip()} at interpreter start (nothing armed)"
+        return replace(record, status=PatchStatus.DISABLED, reason=reason, variable=KILL_SWITCH, value=stopped_by)
+    if torch_version is None:
+        return replace(record, status=PatchStatus.UNSUPPORTED, reason="torch is not installed in this environment")
+    return record
 
 
 REGISTRY = Registry()

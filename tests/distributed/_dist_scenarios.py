@@ -464,13 +464,14 @@ def _force_unused_param_backport() -> dict[str, Any]:
     """
     import fsdp_autopatch.patches.restore_unused_param_grads as restore
     import fsdp_autopatch.patches.unused_param_reduction as upr
+    from fsdp_autopatch import _activate, _patching
     from torch.distributed.fsdp import FSDPModule
 
-    info: dict[str, Any] = {"check": repr(upr.PATCH.check())}
-    restore.PATCH.revert()
-    info["apply"] = upr.PATCH.apply()
-    info["restore_check"] = repr(restore.PATCH.check())
-    info["restore_apply"] = restore.PATCH.apply()
+    info: dict[str, Any] = {"check": repr(_activate.verdict_of(upr.PATCH))}
+    _patching.revert(restore.PATCH.name)
+    info["apply"] = _patching.apply(upr.PATCH)
+    info["restore_check"] = repr(_activate.verdict_of(restore.PATCH))
+    info["restore_apply"] = _patching.apply(restore.PATCH)
     method = getattr(FSDPModule, "set_reduce_scatter_unused_params", None)
     info["has_method"] = method is not None
     info["method_is_backport"] = bool(getattr(method, "__fsdp_autopatch__", False))

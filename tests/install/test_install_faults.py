@@ -355,17 +355,20 @@ def test_internals_renamed_or_resigned(batch: dict, fault: str) -> None:
     assert_patched_as_registered(data, missing=missing)
     if env:
         policy = report["policies"]["reduce_scatter_unused_params_default_on"]
-        assert policy.startswith("failed: AttributeError"), policy
+        assert policy.startswith("not armed: AttributeError"), policy
 
 
 # --- each patch raising during apply ------------------------------------------------------------
 
 RAISE_IN_APPLY = """
 import importlib
+from fsdp_autopatch._spec import Add
 _patch_module = importlib.import_module("fsdp_autopatch.patches.{name}")
-def _boom():
+def _boom(owner):
     raise RuntimeError("injected failure in {name}.apply")
-_patch_module.PATCH = _patch_module.PATCH._replace(apply=_boom)
+# one more target whose value cannot be made: the patch fails as a whole, torch untouched
+_boom_target = Add("torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._fsdp_autopatch_boom", _boom)
+_patch_module.PATCH = _patch_module.PATCH._replace(targets=_patch_module.PATCH.targets + (_boom_target,))
 """
 
 

@@ -3,15 +3,22 @@
 import pytest
 
 import fsdp_autopatch.patches as patches_package
-from fsdp_autopatch import _activate
-from fsdp_autopatch._compat import needed, not_needed, unsupported
+from fsdp_autopatch import _activate, _patching
 from fsdp_autopatch._config import PATCH_NAMES
 from fsdp_autopatch._registry import PatchStatus, Registry
-from fsdp_autopatch.patches import Patch
+from fsdp_autopatch._spec import Add, Patch, needed, not_needed, unsupported
+
+
+class Internals:
+    """Stands in for torch's internals: each fake patch adds one attribute here."""
 
 
 class FakePatch:
-    """A patch whose check and apply are scripted, and which records calls into a shared log."""
+    """A patch whose check and apply are scripted, and which records calls into a shared log.
+
+    Its one target is an ``Add`` on :class:`Internals` whose factory is the "apply" step, so the
+    fakes go through the same ``_patching.apply`` as the real patches.
+    """
 
     def __init__(self, name, log, verdict=None, apply_error=None, check_error=None):
         self.name, self.log = name, log
@@ -25,21 +32,30 @@ class FakePatch:
             raise self.check_error
         return self.verdict
 
-    def apply(self):
+    def apply(self, owner):
         self.log.append(("apply", self.name))
         if self.apply_error:
             raise self.apply_error
         self.applied += 1
-        return "changed"
+        return object()
 
     def as_patch(self):
-        return Patch(self.name, "fake", self.check, self.apply, lambda: None)
+        # The version range agrees with the scripted verdict, so the verdict stands as scripted.
+        affected = ">=0" if self.verdict.status == "needed" else "<0"
+        return Patch(
+            name=self.name, summary="fake", symptom="", trigger="", upstream=(), affected=affected,
+            check=self.check, targets=(Add(f"{__name__}:Internals.{self.name}", self.apply),), changes="changed",
+        )
 
 
 @pytest.fixture
 def registry(monkeypatch):
     fresh = Registry()
     monkeypatch.setattr(_activate, "REGISTRY", fresh)
+    # The real patches may be applied in this process already; the fakes start from none.
+    monkeypatch.setattr(_patching, "_applied", {})
+    for name in PATCH_NAMES:
+        monkeypatch.delattr(Internals, name, raising=False)
     for variable in list(__import__("os").environ):
         if variable.startswith("FSDP_AUTOPATCH_"):
             monkeypatch.delenv(variable)
@@ -117,8 +133,8 @@ def test_verdicts_become_statuses(monkeypatch, registry):
     _activate.activate()
     report = registry.snapshot()
     assert report["unused_param_reduction"].status is PatchStatus.NOT_NEEDED
-    assert report["unused_param_reduction"].reason == "torch has it [decided by the structural check]"
-    assert report["unused_param_reduction"].decided_by == "structural check"
+    assert report["unused_param_reduction"].reason.endswith(": torch has it; the version range agrees (the bug: torch <0)")
+    assert report["unused_param_reduction"].decided_by == "version range and structural check"
     assert report["uniform_reduce_dtype"].status is PatchStatus.UNSUPPORTED
     assert ("apply", "unused_param_reduction") not in log and ("apply", "uniform_reduce_dtype") not in log
 
@@ -132,8 +148,12 @@ def test_env_toggles_are_read_when_the_hook_runs(monkeypatch, registry):
     report = registry.snapshot()
     assert report["accumulated_grad_guard"].status is PatchStatus.DISABLED
     assert "FSDP_AUTOPATCH_DISABLED" in report["accumulated_grad_guard"].reason
+    assert (report["accumulated_grad_guard"].variable, report["accumulated_grad_guard"].value) == (
+        "FSDP_AUTOPATCH_DISABLED", "accumulated_grad_guard")
     assert report["uniform_reduce_dtype"].status is PatchStatus.DISABLED
     assert "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0" in report["uniform_reduce_dtype"].reason
+    assert report["uniform_reduce_dtype"].variable == "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED"
+    assert report["restore_unused_param_grads"].variable is None  # the default decided
     assert [fake.applied for fake in fakes] == [0, 1, 0, 1]
 
 

@@ -6,7 +6,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from fsdp_autopatch import _compat
+from fsdp_autopatch import _compat, _patching
 
 
 @pytest.mark.parametrize(
@@ -77,26 +77,26 @@ def test_replace_all_is_atomic():
 
     replacements = [(Target, "method", lambda self: "patched"), (module, "value", 2), (Frozen(), "x", 3)]
     with pytest.raises((AttributeError, TypeError)):
-        _compat.replace_all("atomic-test", replacements)
+        _patching.replace_all("atomic-test", replacements)
     assert Target().method() == "original" and module.value == 1
-    assert not _compat.is_applied("atomic-test")
+    assert not _patching.is_applied("atomic-test")
 
 
 def test_replace_all_is_idempotent_and_reversible():
     def wrapper(wrapped, instance, args, kwargs):
         return "wrapped " + wrapped(*args, **kwargs)
 
-    _compat.replace_all("reversible", [(Target, "method", _compat.wrap(Target.__dict__["method"], wrapper))])
-    _compat.replace_all("reversible", [(Target, "method", lambda self: "twice")])  # no-op
+    _patching.replace_all("reversible", [(Target, "method", _patching.wrap(Target.__dict__["method"], wrapper))])
+    _patching.replace_all("reversible", [(Target, "method", lambda self: "twice")])  # no-op
     assert Target().method() == "wrapped original"
-    _compat.revert("reversible")
+    _patching.revert("reversible")
     assert Target().method() == "original"
 
 
 def test_revert_deletes_attributes_the_patch_added():
-    _compat.replace_all("adds", [(Target, "added", lambda self: 1)])
+    _patching.replace_all("adds", [(Target, "added", lambda self: 1)])
     assert Target().added() == 1
-    _compat.revert("adds")
+    _patching.revert("adds")
     assert not hasattr(Target, "added")
 
 

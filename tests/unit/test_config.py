@@ -3,7 +3,7 @@
 import pytest
 
 from fsdp_autopatch import _config
-from fsdp_autopatch._config import PATCH_NAMES, parse_bool, patch_env_var, read_settings
+from fsdp_autopatch._config import PATCH_NAMES, Decision, parse_bool, patch_env_var, read_settings
 
 
 class Warnings:
@@ -44,22 +44,22 @@ def test_defaults_enable_every_patch_and_nothing_else():
     settings, warnings = settings_for()
     assert settings.enabled and not settings.strict and settings.log_level is None
     assert not settings.reduce_scatter_unused_params
-    assert all(settings.patch_enabled(name) == (True, "default") for name in PATCH_NAMES)
+    assert all(settings.decision(name) == Decision(True) for name in PATCH_NAMES)
     assert warnings.seen == []
 
 
 def test_per_patch_variable_disables_only_that_patch():
     settings, _ = settings_for(FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED="off")
-    assert settings.patch_enabled("uniform_reduce_dtype") == (
-        False,
-        "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=off",
+    assert settings.decision("uniform_reduce_dtype") == Decision(
+        False, "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED", "off"
     )
-    assert settings.patch_enabled("accumulated_grad_guard")[0] is True
+    assert settings.decision("uniform_reduce_dtype").describe() == "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=off"
+    assert settings.decision("accumulated_grad_guard").enabled is True
 
 
 def test_disabled_list_and_star():
     settings, _ = settings_for(FSDP_AUTOPATCH_DISABLED="accumulated_grad_guard, restore_unused_param_grads")
-    enabled = {name: settings.patch_enabled(name)[0] for name in PATCH_NAMES}
+    enabled = {name: settings.decision(name).enabled for name in PATCH_NAMES}
     assert enabled == {
         "accumulated_grad_guard": False,
         "unused_param_reduction": True,
@@ -67,27 +67,27 @@ def test_disabled_list_and_star():
         "restore_unused_param_grads": False,
     }
     settings, _ = settings_for(FSDP_AUTOPATCH_DISABLED="*")
-    assert not any(settings.patch_enabled(name)[0] for name in PATCH_NAMES)
+    assert not any(settings.decision(name).enabled for name in PATCH_NAMES)
 
 
 def test_precedence_kill_switch_over_per_patch_over_list():
     settings, _ = settings_for(
         FSDP_AUTOPATCH_ENABLED="0", FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED="1"
     )
-    assert settings.patch_enabled("uniform_reduce_dtype") == (False, "FSDP_AUTOPATCH_ENABLED=0")
+    assert settings.decision("uniform_reduce_dtype") == Decision(False, "FSDP_AUTOPATCH_ENABLED", "0")
     settings, _ = settings_for(
         FSDP_AUTOPATCH_DISABLED="uniform_reduce_dtype", FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED="yes"
     )
-    assert settings.patch_enabled("uniform_reduce_dtype")[0] is True
+    assert settings.decision("uniform_reduce_dtype").enabled is True
     settings, _ = settings_for(FSDP_AUTOPATCH_DISABLED="*", FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED="1")
-    assert settings.patch_enabled("accumulated_grad_guard")[0] is True
-    assert settings.patch_enabled("uniform_reduce_dtype")[0] is False
+    assert settings.decision("accumulated_grad_guard").enabled is True
+    assert settings.decision("uniform_reduce_dtype").enabled is False
 
 
 def test_bad_boolean_keeps_default_and_warns_naming_the_variable():
     variable = patch_env_var("accumulated_grad_guard")
     settings, warnings = settings_for(**{variable: "maybe"})
-    assert settings.patch_enabled("accumulated_grad_guard")[0] is True
+    assert settings.decision("accumulated_grad_guard").enabled is True
     assert warnings.variables == [variable]
     assert "maybe" in warnings.seen[0][1]
 
@@ -96,13 +96,13 @@ def test_bad_per_patch_value_falls_back_to_the_list():
     settings, warnings = settings_for(
         FSDP_AUTOPATCH_DISABLED="uniform_reduce_dtype", FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED="perhaps"
     )
-    assert settings.patch_enabled("uniform_reduce_dtype")[0] is False
+    assert settings.decision("uniform_reduce_dtype").enabled is False
     assert warnings.variables == ["FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED"]
 
 
 def test_bad_kill_switch_keeps_everything_on():
     settings, warnings = settings_for(FSDP_AUTOPATCH_ENABLED="disable")
-    assert settings.enabled and all(settings.patch_enabled(n)[0] for n in PATCH_NAMES)
+    assert settings.enabled and all(settings.decision(n).enabled for n in PATCH_NAMES)
     assert warnings.variables == ["FSDP_AUTOPATCH_ENABLED"]
 
 
@@ -118,14 +118,14 @@ def test_strict_and_policy_and_log_level():
 
 def test_unknown_patch_name_in_list_warns():
     settings, warnings = settings_for(FSDP_AUTOPATCH_DISABLED="uniform_reduce_dtype,unifrom_reduce_dtype")
-    assert settings.patch_enabled("uniform_reduce_dtype")[0] is False
+    assert settings.decision("uniform_reduce_dtype").enabled is False
     assert warnings.variables == ["FSDP_AUTOPATCH_DISABLED"]
     assert "unifrom_reduce_dtype" in warnings.seen[0][1]
 
 
 def test_unknown_variable_warns_with_a_suggestion():
     settings, warnings = settings_for(FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLE="0")
-    assert settings.patch_enabled("uniform_reduce_dtype")[0] is True  # the typo changes nothing
+    assert settings.decision("uniform_reduce_dtype").enabled is True  # the typo changes nothing
     assert warnings.variables == ["FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLE"]
     assert "did you mean FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED" in warnings.seen[0][1]
 
@@ -158,5 +158,5 @@ def test_kill_switch_off_is_silent_and_strict():
 
 def test_unknown_name_next_to_star_still_warns():
     settings, warnings = settings_for(FSDP_AUTOPATCH_DISABLED="*,bogus")
-    assert not any(settings.patch_enabled(name)[0] for name in PATCH_NAMES)
+    assert not any(settings.decision(name).enabled for name in PATCH_NAMES)
     assert warnings.variables == ["FSDP_AUTOPATCH_DISABLED"] and "bogus" in warnings.seen[0][1]

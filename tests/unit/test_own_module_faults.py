@@ -27,7 +27,9 @@ INJECTED = "injected by the test"
 HOOK_PATH = {
     "fsdp_autopatch._activate": "all",
     "fsdp_autopatch._compat": "all",
-    "fsdp_autopatch.patches": "all",
+    "fsdp_autopatch._spec": "all",
+    "fsdp_autopatch._patching": "all",
+    "fsdp_autopatch.patches": None,  # the catalogue: the settings and the registry read its names
     "fsdp_autopatch.patches.accumulated_grad_guard": ("accumulated_grad_guard",),
     "fsdp_autopatch.patches.unused_param_reduction": ("unused_param_reduction", "restore_unused_param_grads"),
     "fsdp_autopatch.patches.uniform_reduce_dtype": ("uniform_reduce_dtype",),
@@ -36,8 +38,10 @@ HOOK_PATH = {
     "fsdp_autopatch._config": None,
     "fsdp_autopatch._registry": None,
     "fsdp_autopatch._version": None,
+    "fsdp_autopatch._process": None,
 }
-# Start-up modules: a failure there means the .pth arms nothing (and status cannot be asked).
+# Start-up modules: a failure there means the .pth arms nothing. Without the package's __init__
+# status cannot be asked; without the bootstrap it says the bootstrap did not run.
 START_UP = ("fsdp_autopatch", "fsdp_autopatch._bootstrap")
 PATCHES = ("accumulated_grad_guard", "unused_param_reduction", "uniform_reduce_dtype", "restore_unused_param_grads")
 
@@ -116,7 +120,11 @@ def test_our_module_raising_on_the_hook_path_leaves_the_import_working(tmp_path,
 def test_our_start_up_module_raising_leaves_the_import_working(tmp_path, module):
     src, fake = broken_copy(tmp_path, module, "TypeError")
     report = run_user_program(src, fake)
-    assert report == {"error": f"TypeError: {INJECTED}"}  # nothing armed; status cannot be asked
+    if module == "fsdp_autopatch":
+        assert report == {"error": f"TypeError: {INJECTED}"}  # nothing armed; status cannot be asked
+    else:
+        assert report["bootstrap"] == "not_run", report  # nothing armed, and status says so
+        assert {p["status"] for p in report["patches"]} == {"pending"}, report
 
 
 def test_the_hook_module_raising_leaves_the_import_working_and_patches_pending(tmp_path):

@@ -6,11 +6,14 @@ torch = pytest.importorskip("torch")
 import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if the .pth is active)
 
 import fsdp_autopatch  # noqa: E402
-from fsdp_autopatch import _activate, _compat  # noqa: E402
+from fsdp_autopatch import _activate, _compat, _patching  # noqa: E402
 from fsdp_autopatch.patches import load_patches  # noqa: E402
-from fsdp_autopatch.patches.accumulated_grad_guard import _fsdp_param_class  # noqa: E402
 
 RELEASE = _compat.torch_release()
+
+
+def _fsdp_param_class():
+    return _compat.fsdp_class("_fsdp_param", "FSDPParam")
 
 
 @pytest.fixture
@@ -73,8 +76,8 @@ def test_applying_twice_changes_nothing(activated):
 
     post_backward = FSDPParamGroup.__dict__["post_backward"]
     for patch in load_patches():
-        if patch.check().status == "needed":
-            patch.apply()
+        if _activate.verdict_of(patch).status == "needed":
+            _patching.apply(patch)
     assert FSDPParamGroup.__dict__["post_backward"] is post_backward
 
 
@@ -88,7 +91,7 @@ def test_backport_is_needed_where_the_public_api_is_missing(activated, monkeypat
 
     if not _compat.before(RELEASE, "2.13"):
         monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
-    verdict = unused_param_reduction.check()
+    verdict = _activate.verdict_of(unused_param_reduction.PATCH)
     if _compat.before(RELEASE, "2.15"):
         assert verdict.status == "needed", verdict.reason
         # on 2.13/2.14 the version range says "has the method": the structure decided
@@ -107,7 +110,7 @@ def test_internals_of_another_shape_are_unsupported_and_untouched(activated, mon
         return None
 
     monkeypatch.setattr(_fsdp_collectives, "foreach_reduce", foreach_reduce)
-    assert uniform_reduce_dtype.check().status == "unsupported"
+    assert _activate.verdict_of(uniform_reduce_dtype.PATCH).status == "unsupported"
 
 
 def test_default_on_policy_uses_torchs_own_fill_even_with_the_backport_switched_off(activated, monkeypatch):

@@ -1,38 +1,45 @@
-"""The four patches, in the order they are applied.
+"""The catalogue: every patch and policy, in the order they are applied. Standard library only.
 
-Each patch module reads top to bottom as: the bug (symptom, trigger, upstream reference) ->
-the torch versions affected -> how "needed here?" is decided -> the replacement. It ends with
-``PATCH``, a small declarative object, so the hook, the registry and the CLI treat all four alike.
+Each entry names the module whose ``PATCH`` declares it (see ``fsdp_autopatch._spec.Patch``). The
+names are known without importing any patch code (that imports torch internals): the registry,
+the settings and the CLI need them before torch is imported.
 
-The order matters: ``restore_unused_param_grads`` must wrap ``FSDPParamGroup.post_backward``
-after ``unused_param_reduction`` does, so that its usage probe runs before the zero fill.
+Order matters: ``restore_unused_param_grads`` must wrap ``FSDPParamGroup.post_backward`` after
+``unused_param_reduction`` does, so that its usage probe runs before the zero fill; the policies
+come after the fixes they build on.
 """
 
-from __future__ import annotations
-
 import importlib
-from typing import Callable, NamedTuple
 
-from .._compat import Verdict
-from .._config import PATCH_NAMES
+FIXES = (
+    "accumulated_grad_guard",
+    "unused_param_reduction",
+    "uniform_reduce_dtype",
+    "restore_unused_param_grads",
+)
+POLICIES = (
+    "reduce_scatter_unused_params_default_on",
+    "cross_rank_check",
+)
+PATCH_NAMES = FIXES  # the registry's per-patch records; policies are recorded under "policies"
 
-
-class Patch(NamedTuple):
-    name: str
-    summary: str
-    check: Callable[[], Verdict]  # "needed here?" from torch's version and internals
-    apply: Callable[[], str]  # atomic and idempotent; returns what it changed (for the registry)
-    revert: Callable[[], None]  # undo (tests)
-
-
-def load_patch(name: str) -> Patch:
-    """Import one patch module (it imports torch internals) and return its ``PATCH``."""
-    return importlib.import_module(f"{__name__}.{name}").PATCH
+# A policy declared next to the code it arms rather than in this package.
+_ELSEWHERE = {"cross_rank_check": "fsdp_autopatch._consistency"}
 
 
-def load_patches() -> tuple[Patch, ...]:
-    """Every patch's ``PATCH``, in the order they are applied."""
-    return tuple(load_patch(name) for name in PATCH_NAMES)
+def module_of(name):
+    """The module that declares ``name``, e.g. ``fsdp_autopatch.patches.uniform_reduce_dtype``."""
+    return _ELSEWHERE.get(name, f"{__name__}.{name}")
 
 
-__all__ = ["PATCH_NAMES", "Patch", "load_patch", "load_patches"]
+def load_patch(name):
+    """Import one declaring module (it imports torch internals) and return its ``PATCH``."""
+    return importlib.import_module(module_of(name)).PATCH
+
+
+def load_patches():
+    """Every fix's declaration, in the order they are applied."""
+    return tuple(load_patch(name) for name in FIXES)
+
+
+__all__ = ["FIXES", "PATCH_NAMES", "POLICIES", "load_patch", "load_patches", "module_of"]

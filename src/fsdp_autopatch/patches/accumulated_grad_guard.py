@@ -32,53 +32,38 @@ Disable with ``FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED=0``.
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
-
 from .. import _compat
-from . import Patch
+from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
-NAME = "accumulated_grad_guard"
 _METHOD = "to_accumulated_grad_if_needed"
-# 2.6 has the unguarded read but its final callback never reaches it (latent); 2.7-2.14 crash.
-AFFECTED = SpecifierSet(">=2.6,<2.15")
 
 
-def _fsdp_param_class() -> type:
-    return _compat.fsdp_module("_fsdp_param").FSDPParam
-
-
-def check() -> _compat.Verdict:
-    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "the _unsharded_param crash")
-
-
-def _structural_check() -> _compat.Verdict:
-    method = _compat.class_attr(_fsdp_param_class(), _METHOD)
+def _structural_check() -> Verdict:
+    method = _compat.class_attr(_compat.fsdp_class("_fsdp_param", "FSDPParam"), _METHOD)
     if method is None:
-        return _compat.not_needed(
-            f"FSDPParam has no {_METHOD} (2.15 rewrote gradient accumulation; the crash path is gone)"
-        )
+        return not_needed(f"FSDPParam has no {_METHOD} (2.15 rewrote gradient accumulation; the crash path is gone)")
     if not _compat.reads_names(method, "_unsharded_param"):
-        return _compat.unsupported(f"FSDPParam.{_METHOD} no longer reads _unsharded_param")
-    return _compat.needed(f"FSDPParam.{_METHOD} reads the lazily created _unsharded_param")
+        return unsupported(f"FSDPParam.{_METHOD} does not read _unsharded_param")
+    return needed(f"FSDPParam.{_METHOD} reads the lazily created _unsharded_param")
 
 
 def _skip_never_unsharded(wrapped, fsdp_param, args, kwargs):
     # No _unsharded_param: this parameter's unit never ran forward, so there is no unsharded
     # gradient to convert to reduce_dtype.
-    if "_unsharded_param" not in vars(fsdp_param):
+    if _compat.unsharded_param(fsdp_param) is None:
         return None
     return wrapped(*args, **kwargs)
 
 
-def apply() -> str:
-    cls = _fsdp_param_class()
-    guarded = _compat.wrap(_compat.class_attr(cls, _METHOD), _skip_never_unsharded)
-    _compat.replace_all(NAME, [(cls, _METHOD, guarded)])
-    return "it now returns early for parameters that were never unsharded"
-
-
-def revert() -> None:
-    _compat.revert(NAME)
-
-
-PATCH = Patch(NAME, "guard post-backward against units that never ran forward", check, apply, revert)
+PATCH = Patch(
+    name="accumulated_grad_guard",
+    summary="a unit that never ran forward does not crash post-backward",
+    symptom="AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'",
+    trigger="gradient accumulation (requires_gradient_sync False) with reduce_dtype, and a unit that skipped forward",
+    upstream=("PyTorch PR 194058", "verl PR 7475", "NeMo Automodel PR 2744"),
+    # 2.6 has the unguarded read but its final callback never reaches it (latent); 2.7-2.14 crash.
+    affected=">=2.6,<2.15",
+    check=_structural_check,
+    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_param:FSDPParam.{_METHOD}", _skip_never_unsharded),),
+    changes="it returns early for parameters that were never unsharded",
+)

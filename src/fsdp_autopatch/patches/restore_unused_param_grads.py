@@ -66,19 +66,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from packaging.specifiers import SpecifierSet
 
 from .. import _compat
-from . import Patch
+from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 from . import unused_param_reduction
 
-NAME = "restore_unused_param_grads"
 _CALLBACK = "_root_post_backward_final_callback"
 _END_ITERATION = "_end_backward_iteration"  # torch 2.15: where every finalization path ends
 _RESET = "_reset_iter_state"  # FSDPParamGroup, torch 2.13+: recovery after a failed iteration
-# Every release with a fill (torch's from 2.13, the backport before) zero-fills unused params.
-AFFECTED = SpecifierSet(">=2.6")
 _PROBE = "_fsdp_autopatch_usage_probe"  # FSDPParamGroup attribute, lives for one backward
+_FSDP2 = _compat.FSDP2_PACKAGE
 
 
 class _UsageProbe:
@@ -87,7 +84,7 @@ class _UsageProbe:
     __slots__ = ("used", "grad_existed")
 
     def __init__(self, group: Any) -> None:
-        self.used = [_has_local_grad(p) for p in group.fsdp_params]
+        self.used = [_compat.has_local_grad(p) for p in group.fsdp_params]
         # HSDP with a deferred all-reduce: this reduction folds into a pending partial reduce that
         # may hold earlier micro-batches' gradients, so it does not "create" the gradient.
         folds_into_partial = getattr(group, "_partial_reduce_output", None) is not None
@@ -95,37 +92,25 @@ class _UsageProbe:
 
     def merge(self, group: Any) -> None:
         # post_backward ran twice in one backward (grouped units): usage is the union.
-        self.used = [u or _has_local_grad(p) for u, p in zip(self.used, group.fsdp_params)]
+        self.used = [u or _compat.has_local_grad(p) for u, p in zip(self.used, group.fsdp_params)]
 
 
-def _has_local_grad(fsdp_param: Any) -> bool:
-    """Whether this rank's backward produced a gradient for the parameter since its last reduction."""
-    unsharded = vars(fsdp_param).get("_unsharded_param")
-    if unsharded is None:  # never unsharded: its unit never ran forward on this rank
-        return False
-    return unsharded.grad is not None or getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
+def _param_group_and_state() -> tuple[type, type]:
+    return (
+        _compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup"),
+        _compat.fsdp_class("_fsdp_state", "FSDPState"),
+    )
 
 
-def _classes() -> tuple[type, type, type]:
-    fsdp_module = _compat.fsdp_module("_fully_shard").FSDPModule
-    param_group = _compat.fsdp_module("_fsdp_param_group").FSDPParamGroup
-    state = _compat.fsdp_module("_fsdp_state").FSDPState
-    return fsdp_module, param_group, state
-
-
-def check() -> _compat.Verdict:
-    fsdp_module, _, _ = _classes()
-    if _compat.class_attr(fsdp_module, "set_reduce_scatter_unused_params") is None:
+def _structural_check() -> Verdict:
+    if not unused_param_reduction.has_fill():
         # Not a property of the release: before 2.13 only the backport provides a fill.
-        return _compat.not_needed(
-            f"{_compat.describe(_compat.torch_release())} has no unused-param fill to undo "
-            "(no FSDPModule.set_reduce_scatter_unused_params, and the backport is not applied)"
+        return not_needed(
+            "no unused-param fill to undo (no FSDPModule.set_reduce_scatter_unused_params, "
+            "and the backport is not applied)",
+            conclusive=True,
         )
-    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "zero gradients from the fill")
-
-
-def _structural_check() -> _compat.Verdict:
-    _, param_group, state = _classes()
+    param_group, state = _param_group_and_state()
     # What the wrappers read: group.fsdp_params / reduce_grads / mesh_info (set in __init__; 2.15
     # moved the per-param loop out of post_backward), and the root's _state_ctx.all_states.
     looks_right = (
@@ -134,26 +119,30 @@ def _structural_check() -> _compat.Verdict:
         and _compat.reads_names(_compat.class_attr(state, _CALLBACK), "_state_ctx", "all_states")
     )
     if not looks_right:
-        return _compat.unsupported(
+        return unsupported(
             f"FSDPParamGroup / FSDPState.{_CALLBACK} do not look as expected "
             "(fsdp_params, reduce_grads, mesh_info, _state_ctx.all_states)"
         )
     source = "torch's" if unused_param_reduction.has_native_api() else "the backported"
     if not has_manual_finalization():
-        return _compat.needed(f"{source} unused-param fill turns None into zero")
+        return needed(f"{source} unused-param fill turns None into zero")
     if not _manual_finalization_looks_right(state):
-        return _compat.unsupported(
+        return unsupported(
             f"FSDPModule.finalize_backward exists but FSDPState.{_END_ITERATION} (reached from "
             f"wait_for_gradient_reduction, reading _state_ctx.all_states) or {_CALLBACK}'s "
             "manual_backward_finalization_active is missing: manually finalized backwards would keep the zeros"
         )
-    return _compat.needed(f"{source} unused-param fill turns None into zero, also in manually finalized backwards")
+    return needed(f"{source} unused-param fill turns None into zero, also in manually finalized backwards")
 
 
 def has_manual_finalization() -> bool:
     """Whether this torch lets the caller finalize backward (``FSDPModule.finalize_backward``, 2.15)."""
-    fsdp_module, _, _ = _classes()
-    return _compat.class_attr(fsdp_module, "finalize_backward") is not None
+    return _compat.class_attr(_compat.fsdp_class("_fully_shard", "FSDPModule"), "finalize_backward") is not None
+
+
+def _has_reset() -> bool:
+    param_group, _ = _param_group_and_state()
+    return _compat.class_attr(param_group, _RESET) is not None
 
 
 def _manual_finalization_looks_right(state: type) -> bool:
@@ -167,7 +156,7 @@ def _manual_finalization_looks_right(state: type) -> bool:
 
 
 def _probe_usage(wrapped, group, args, kwargs):
-    if group.reduce_grads and getattr(group, "reduce_scatter_unused_params", False):
+    if group.reduce_grads and getattr(group, unused_param_reduction.FLAG, False):
         probe = vars(group).get(_PROBE)
         if probe is None:
             setattr(group, _PROBE, _UsageProbe(group))
@@ -176,32 +165,12 @@ def _probe_usage(wrapped, group, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _reduction_domain(group: Any) -> tuple[Any, ...]:
-    """The process groups a parameter's gradient is reduced over: shard, plus replicate (HSDP)."""
-    mesh_info = group.mesh_info
-    domain = []
-    for attribute in ("shard_process_group", "replicate_process_group"):
-        process_group = getattr(mesh_info, attribute, None)
-        if process_group is not None and process_group.size() > 1:
-            domain.append(process_group)
-    return tuple(domain)
-
-
-def _probed_groups(root_state: Any) -> list[Any]:
-    return [
-        group
-        for state in root_state._state_ctx.all_states
-        for group in _compat.state_param_groups(state)
-        if _PROBE in vars(group)
-    ]
-
-
 def restore_unused(groups: list[Any]) -> None:
     """Reset the gradients this backward's reductions created for parameters no rank used."""
     by_domain: dict[tuple[Any, ...], list[tuple[Any, _UsageProbe]]] = {}
     for group in groups:  # same order on every rank: all_states follows the module tree
         # Taken off before any collective: whatever happens next, no probe outlives this backward.
-        by_domain.setdefault(_reduction_domain(group), []).append((group, vars(group).pop(_PROBE)))
+        by_domain.setdefault(_compat.reduction_domain(group), []).append((group, vars(group).pop(_PROBE)))
     for domain, entries in by_domain.items():
         flags = [int(used) for _, probe in entries for used in probe.used]
         if domain and flags:
@@ -218,7 +187,7 @@ def restore_unused(groups: list[Any]) -> None:
 
 
 def _restore_probed(root_state: Any) -> None:
-    groups = _probed_groups(root_state)
+    groups = [group for group in _compat.all_param_groups(root_state) if _PROBE in vars(group)]
     if groups:
         restore_unused(groups)
 
@@ -246,25 +215,21 @@ def _drop_probe_on_reset(wrapped, group, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def apply() -> str:
-    _, param_group, state = _classes()
-    replacements = [
-        (param_group, "post_backward", _compat.wrap(_compat.class_attr(param_group, "post_backward"), _probe_usage)),
-        (state, _CALLBACK, _compat.wrap(_compat.class_attr(state, _CALLBACK), _restore_after_callback)),
-    ]
-    if has_manual_finalization():  # check() made sure _end_backward_iteration is there
-        end = _compat.class_attr(state, _END_ITERATION)
-        replacements.append((state, _END_ITERATION, _compat.wrap(end, _restore_after_end_of_iteration)))
-    reset = _compat.class_attr(param_group, _RESET)
-    if reset is not None:
-        replacements.append((param_group, _RESET, _compat.wrap(reset, _drop_probe_on_reset)))
-    _compat.replace_all(NAME, replacements)
-    where = f"the final callback or {_END_ITERATION}" if has_manual_finalization() else "the final callback"
-    return f"gradients it creates for parameters no rank used are reset to None (after {where})"
-
-
-def revert() -> None:
-    _compat.revert(NAME)
-
-
-PATCH = Patch(NAME, "keep grad None for parameters that no rank used", check, apply, revert)
+PATCH = Patch(
+    name="restore_unused_param_grads",
+    summary="a parameter that no rank used keeps grad is None",
+    symptom="an unused parameter gets an exact-zero gradient: AdamW steps it (weight decay, old momentum)",
+    trigger="the unused-param fill on (set_reduce_scatter_unused_params) and a parameter no rank used",
+    upstream=("DDP's PyTorch issue 28294 (same class)", "Megatron-LM documents it"),
+    # Every release with a fill (torch's from 2.13, the backport before) zero-fills unused params.
+    affected=">=2.6",
+    check=_structural_check,
+    targets=(
+        Wrap(f"{_FSDP2}._fsdp_param_group:FSDPParamGroup.post_backward", _probe_usage),
+        Wrap(f"{_FSDP2}._fsdp_state:FSDPState.{_CALLBACK}", _restore_after_callback),
+        Wrap(f"{_FSDP2}._fsdp_state:FSDPState.{_END_ITERATION}", _restore_after_end_of_iteration,
+             when=has_manual_finalization),
+        Wrap(f"{_FSDP2}._fsdp_param_group:FSDPParamGroup.{_RESET}", _drop_probe_on_reset, when=_has_reset),
+    ),
+    changes="gradients it creates for parameters no rank used are reset to None",
+)

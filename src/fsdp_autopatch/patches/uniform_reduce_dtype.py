@@ -37,37 +37,24 @@ Disable with ``FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0``.
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 import torch
-from packaging.specifiers import SpecifierSet
 
 from .. import _compat
-from . import Patch
+from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
-NAME = "uniform_reduce_dtype"
 _FUNCTION = "foreach_reduce"
 _ASSERT_MESSAGE = "expects uniform gradient dtype"
-# foreach_reduce asserts one gradient dtype from FSDP2's start up to 2.14; 2.15 removed it.
-AFFECTED = SpecifierSet(">=2.6,<2.15")
 
 
-def _collectives():
-    return _compat.fsdp_module("_fsdp_collectives")
-
-
-def check() -> _compat.Verdict:
-    return _compat.decide(_structural_check(), _compat.torch_release(), AFFECTED, "the uniform-dtype assertion")
-
-
-def _structural_check() -> _compat.Verdict:
-    function = getattr(_collectives(), _FUNCTION, None)
+def _structural_check() -> Verdict:
+    function = getattr(_compat.fsdp_module("_fsdp_collectives"), _FUNCTION, None)
     if function is None or _compat.first_parameters(function, 2) != ("fsdp_params", "unsharded_grads"):
-        return _compat.unsupported(f"{_FUNCTION}(fsdp_params, unsharded_grads, ...) not found")
+        return unsupported(f"{_FUNCTION}(fsdp_params, unsharded_grads, ...) not found")
     if not _compat.has_string_constant(function, _ASSERT_MESSAGE):
-        return _compat.not_needed(f"{_FUNCTION} no longer asserts a uniform gradient dtype")
-    return _compat.needed(f"{_FUNCTION} asserts a uniform gradient dtype")
+        return not_needed(f"{_FUNCTION} does not assert a uniform gradient dtype")
+    return needed(f"{_FUNCTION} asserts a uniform gradient dtype")
 
 
 def widest_float_dtype(dtypes) -> Any:
@@ -98,27 +85,16 @@ def _uniform_dtype_reduce(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _import_sites(original) -> list:
-    """Every loaded torch.distributed module that holds ``foreach_reduce`` under that name."""
-    sites = []
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and module is not None:
-            if vars(module).get(_FUNCTION) is original:
-                sites.append(module)
-    return sites
-
-
-def apply() -> str:
-    original = getattr(_collectives(), _FUNCTION)
-    wrapper = _compat.wrap(original, _uniform_dtype_reduce)
-    sites = _import_sites(original)
-    _compat.replace_all(NAME, [(module, _FUNCTION, wrapper) for module in sites])
-    names = ", ".join(sorted(module.__name__.rsplit(".", 1)[-1] for module in sites))
-    return f"mixed gradient dtypes are widened (wrapped in {names})"
-
-
-def revert() -> None:
-    _compat.revert(NAME)
-
-
-PATCH = Patch(NAME, "widen mixed gradient dtypes before reduce-scatter", check, apply, revert)
+PATCH = Patch(
+    name="uniform_reduce_dtype",
+    summary='mixed-precision gradient accumulation does not trip "FSDP reduce-scatter expects uniform gradient dtype"',
+    symptom="AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16, torch.float32}",
+    trigger="param_dtype != reduce_dtype, gradient accumulation, a parameter first used (or zero-filled) late",
+    upstream=("PyTorch issue 196996", "PyTorch PR 160279", "NeMo Automodel PR 3540"),
+    # foreach_reduce asserts one gradient dtype from FSDP2's start up to 2.14; 2.15 removed it.
+    affected=">=2.6,<2.15",
+    check=_structural_check,
+    # everywhere: _fsdp_param_group imported foreach_reduce by name
+    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_collectives:{_FUNCTION}", _uniform_dtype_reduce, everywhere=True),),
+    changes="mixed gradient dtypes are widened",
+)

@@ -35,8 +35,8 @@ The replacement
 
 Policy
     ``FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1``: every FSDP unit starts with the flag on, on
-    every torch version, for users who cannot edit their training code. Recorded in the registry's
-    ``policies``. Off by default, as in torch.
+    every torch version, for users who cannot edit their training code
+    (``reduce_scatter_unused_params_default_on``). Off by default, as in torch.
 
 Disable with ``FSDP_AUTOPATCH_UNUSED_PARAM_REDUCTION_ENABLED=0``.
 """
@@ -44,23 +44,17 @@ Disable with ``FSDP_AUTOPATCH_UNUSED_PARAM_REDUCTION_ENABLED=0``.
 from __future__ import annotations
 
 import torch
-from packaging.specifiers import SpecifierSet
 
 from .. import _compat
-from . import Patch
+from .._spec import Add, Patch, Verdict, Wrap, needed, not_needed, unsupported
 
-NAME = "unused_param_reduction"
-POLICY = "reduce_scatter_unused_params_default_on"
 _METHOD = "set_reduce_scatter_unused_params"
-# torch 2.13 added the method; every FSDP2 release before lacks it.
-AFFECTED = SpecifierSet(">=2.6,<2.13")
-_FLAG = "reduce_scatter_unused_params"  # FSDPParamGroup attribute, as in torch >= 2.13
+FLAG = "reduce_scatter_unused_params"  # FSDPParamGroup attribute, as in torch >= 2.13
+_FSDP2 = _compat.FSDP2_PACKAGE
 
 
 def _classes() -> tuple[type, type]:
-    fsdp_module = _compat.fsdp_module("_fully_shard").FSDPModule
-    param_group = _compat.fsdp_module("_fsdp_param_group").FSDPParamGroup
-    return fsdp_module, param_group
+    return _compat.fsdp_class("_fully_shard", "FSDPModule"), _compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup")
 
 
 def has_native_api() -> bool:
@@ -70,20 +64,18 @@ def has_native_api() -> bool:
     return method is not None and not getattr(method, "__fsdp_autopatch__", False)
 
 
-def check() -> _compat.Verdict:
-    structural = _structural_check()
-    verdict = _compat.decide(structural, _compat.torch_release(), AFFECTED, f"no FSDPModule.{_METHOD}")
-    if structural.status == "not_needed" and verdict.status == "unsupported":
-        # torch's own method is conclusive, whatever the version says (a vendor backport)
-        return structural._replace(reason=f"{verdict.reason.split(':', 1)[0]}: {structural.reason}")
-    return verdict
+def has_fill() -> bool:
+    """Whether units can zero-fill unused parameters here: torch's method or the applied backport."""
+    fsdp_module, _ = _classes()
+    return _compat.class_attr(fsdp_module, _METHOD) is not None
 
 
-def _structural_check() -> _compat.Verdict:
+def _structural_check() -> Verdict:
     if has_native_api():
-        return _compat.not_needed(f"torch provides FSDPModule.{_METHOD}")
+        # torch's own method is conclusive, whatever the version says (a vendor backport)
+        return not_needed(f"torch provides FSDPModule.{_METHOD}", conclusive=True)
     _, param_group = _classes()
-    fsdp_param = _compat.fsdp_module("_fsdp_param").FSDPParam
+    fsdp_param = _compat.fsdp_class("_fsdp_param", "FSDPParam")
     post_backward = _compat.class_attr(param_group, "post_backward")
     # What the zero fill relies on: post_backward walks group.fsdp_params when reduce_grads is
     # set and collects each unsharded parameter's .grad (2.6 reads it through the
@@ -98,8 +90,8 @@ def _structural_check() -> _compat.Verdict:
         and _compat.reads_names(_compat.class_attr(fsdp_param, "init_unsharded_param"), "_unsharded_param")
     )
     if not looks_right:
-        return _compat.unsupported("FSDPParamGroup.post_backward is not the 2.6-2.12 one")
-    return _compat.needed(f"FSDPModule.{_METHOD} is missing")
+        return unsupported("FSDPParamGroup.post_backward is not the 2.6-2.12 one")
+    return needed(f"FSDPModule.{_METHOD} is missing")
 
 
 def _make_setter(fsdp_module_cls: type):
@@ -126,7 +118,7 @@ def _make_setter(fsdp_module_cls: type):
         for module in modules:
             if isinstance(module, fsdp_module_cls):
                 for group in _compat.state_param_groups(module._get_fsdp_state()):
-                    setattr(group, _FLAG, reduce_scatter_unused_params)
+                    setattr(group, FLAG, reduce_scatter_unused_params)
 
     set_reduce_scatter_unused_params.__fsdp_autopatch__ = True
     return set_reduce_scatter_unused_params
@@ -134,17 +126,12 @@ def _make_setter(fsdp_module_cls: type):
 
 def _needs_zero_grad(fsdp_param) -> bool:
     # Never unsharded (its unit never ran forward): torch skips it in post_backward, so do we.
-    unsharded = vars(fsdp_param).get("_unsharded_param")
-    return (
-        unsharded is not None
-        and unsharded.requires_grad
-        and unsharded.grad is None
-        and getattr(fsdp_param, "unsharded_accumulated_grad", None) is None
-    )
+    unsharded = _compat.unsharded_param(fsdp_param)
+    return unsharded is not None and unsharded.requires_grad and not _compat.has_local_grad(fsdp_param)
 
 
 def _zero_fill_unused(wrapped, group, args, kwargs):
-    if group.reduce_grads and getattr(group, _FLAG, False):
+    if group.reduce_grads and getattr(group, FLAG, False):
         for fsdp_param in group.fsdp_params:
             if _needs_zero_grad(fsdp_param):
                 unsharded = fsdp_param._unsharded_param
@@ -152,42 +139,18 @@ def _zero_fill_unused(wrapped, group, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def apply() -> str:
-    fsdp_module, param_group = _classes()
-    post_backward = _compat.class_attr(param_group, "post_backward")
-    _compat.replace_all(
-        NAME,
-        [
-            (fsdp_module, _METHOD, _make_setter(fsdp_module)),
-            (param_group, "post_backward", _compat.wrap(post_backward, _zero_fill_unused)),
-        ],
-    )
-    return "method added; post_backward zero-fills unused params of flagged units"
-
-
-def revert() -> None:
-    _compat.revert(NAME)
-
-
-# --- FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1 ---------------------------------------------
-
-
-def _start_with_flag_on(wrapped, group, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    setattr(group, _FLAG, True)
-    return result
-
-
-def apply_default_on_policy() -> str:
-    """Every ``FSDPParamGroup`` created from now on starts with the unused-param fill on."""
-    _, param_group = _classes()
-    init = _compat.class_attr(param_group, "__init__")
-    _compat.replace_all(POLICY, [(param_group, "__init__", _compat.wrap(init, _start_with_flag_on))])
-    return "every FSDP unit starts with reduce_scatter_unused_params on"
-
-
-def revert_default_on_policy() -> None:
-    _compat.revert(POLICY)
-
-
-PATCH = Patch(NAME, "backport FSDPModule.set_reduce_scatter_unused_params", check, apply, revert)
+PATCH = Patch(
+    name="unused_param_reduction",
+    summary="FSDPModule.set_reduce_scatter_unused_params on torch < 2.13",
+    symptom="ranks issue different reduce-scatters: gloo aborts on a size mismatch, NCCL hangs or mixes gradients",
+    trigger="ranks use different parameters of one unit (MoE experts without tokens, a skipped branch)",
+    upstream=("PyTorch issue 158719", "PyTorch PR 174862", "torchtitan issue 2747"),
+    # torch 2.13 added the method; every FSDP2 release before lacks it.
+    affected=">=2.6,<2.13",
+    check=_structural_check,
+    targets=(
+        Add(f"{_FSDP2}._fully_shard:FSDPModule.{_METHOD}", _make_setter),
+        Wrap(f"{_FSDP2}._fsdp_param_group:FSDPParamGroup.post_backward", _zero_fill_unused),
+    ),
+    changes="method added; post_backward zero-fills unused params of flagged units",
+)

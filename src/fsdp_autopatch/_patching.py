@@ -1,0 +1,133 @@
+"""Apply and revert a declared patch: resolve its targets, replace all or nothing, undo in reverse.
+
+Imported only once torch's FSDP2 is being imported, so wrapt is fair game. Every patch goes through
+:func:`apply` and :func:`revert`; no patch module replaces anything itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable, Iterable
+
+import wrapt
+
+from ._spec import Add, Patch, Wrap
+
+_MISSING = object()
+# patch name -> the (owner, attribute, original) triples it replaced, in order
+_applied: dict[str, list[tuple[Any, str, Any]]] = {}
+
+
+def resolve(path: str) -> tuple[Any, str]:
+    """``"pkg.module:Class.attr"`` -> ``(Class, "attr")``; ``"pkg.module:func"`` -> ``(module, "func")``.
+
+    The module is imported if needed (it is part of torch, already loading). Raises ImportError or
+    AttributeError when the internals are not there.
+    """
+    module_name, _, qualified = path.partition(":")
+    owner: Any = sys.modules.get(module_name) or importlib.import_module(module_name)
+    *parents, attribute = qualified.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    return owner, attribute
+
+
+def original_of(owner: Any, attribute: str) -> Any:
+    """The attribute as defined on ``owner`` or, for a class, its MRO (no descriptor binding)."""
+    for klass in getattr(owner, "__mro__", (owner,)):
+        if attribute in vars(klass):
+            return vars(klass)[attribute]
+    raise AttributeError(f"{getattr(owner, '__name__', owner)!r} has no attribute {attribute!r}")
+
+
+def wrap(original: Any, wrapper: Callable[..., Any]) -> Any:
+    """A wrapt ``FunctionWrapper``: keeps the original's name, docstring and signature."""
+    return wrapt.FunctionWrapper(original, wrapper)
+
+
+def replacements(patch: Patch) -> list[tuple[Any, str, Any]]:
+    """Every ``(owner, attribute, new value)`` the patch sets, computed before anything is set."""
+    planned: list[tuple[Any, str, Any]] = []
+    for target in patch.targets:
+        if target.when is not None and not target.when():
+            continue
+        owner, attribute = resolve(target.path)
+        if isinstance(target, Add):
+            planned.append((owner, attribute, target.factory(owner)))
+        elif isinstance(target, Wrap):
+            original = original_of(owner, attribute)
+            value = wrap(original, target.wrapper)
+            copies = import_sites(original, attribute) if target.everywhere else []
+            planned += [(site, attribute, value) for site in [owner, *(m for m in copies if m is not owner)]]
+        else:
+            raise TypeError(f"{patch.name}: unknown target {target!r}")
+    return planned
+
+
+def import_sites(original: Any, attribute: str) -> list[Any]:
+    """Every loaded ``torch.*`` module that holds ``original`` under ``attribute`` (``from x import f``)."""
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if (name == "torch" or name.startswith("torch.")) and module is not None and vars(module).get(attribute) is original
+    ]
+
+
+def describe(planned: Iterable[tuple[Any, str, Any]]) -> str:
+    """``FSDPParam.to_accumulated_grad_if_needed, _fsdp_collectives.foreach_reduce``."""
+    return ", ".join(f"{_short_name(owner)}.{attribute}" for owner, attribute, _ in planned)
+
+
+def _short_name(owner: Any) -> str:
+    name = getattr(owner, "__name__", type(owner).__name__)
+    return name.rsplit(".", 1)[-1]
+
+
+def apply(patch: Patch) -> str:
+    """Apply every target of ``patch``, all or nothing; idempotent. Returns what was replaced."""
+    if patch.name in _applied:
+        return describe(_applied[patch.name])
+    planned = replacements(patch)
+    replace_all(patch.name, planned)
+    return describe(planned)
+
+
+def replace_all(patch_name: str, planned: Iterable[tuple[Any, str, Any]]) -> None:
+    """Set every ``owner.attribute = value``, all or nothing; idempotent per patch name.
+
+    If any assignment fails, the ones already made are undone before the error propagates, so
+    half-applied is never a state torch is left in.
+    """
+    if patch_name in _applied:
+        return
+    done: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, attribute, value in planned:
+            original = vars(owner).get(attribute, _MISSING)
+            setattr(owner, attribute, value)
+            done.append((owner, attribute, original))
+    except BaseException:
+        _undo(done)
+        raise
+    _applied[patch_name] = done
+
+
+def is_applied(patch_name: str) -> bool:
+    return patch_name in _applied
+
+
+def revert(patch_name: str) -> None:
+    """Undo one patch (tests). Revert patches in the reverse order of application."""
+    _undo(_applied.pop(patch_name, []))
+
+
+def _undo(done: list[tuple[Any, str, Any]]) -> None:
+    for owner, attribute, original in reversed(done):
+        if original is _MISSING:
+            try:
+                delattr(owner, attribute)
+            except AttributeError:
+                pass
+        else:
+            setattr(owner, attribute, original)

@@ -1,0 +1,119 @@
+"""What a patch is: one declaration, as data. Standard library only.
+
+A patch module states the bug, the torch releases measured to have it, a structural check
+("are the internals I wrap here, and do they still have the bug?") and its targets by dotted path.
+Everything else is shared (``_patching``, ``_activate``): the environment toggle derived from the
+name, "needed here?" from the version range and the structural check, atomic apply and revert,
+the registry record.
+
+Example (``patches/accumulated_grad_guard.py``)::
+
+    PATCH = Patch(
+        name="accumulated_grad_guard",
+        summary="a unit that never ran forward no longer crashes post-backward",
+        symptom="AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'",
+        trigger="gradient accumulation with reduce_dtype and a unit that skipped forward",
+        upstream=("pytorch/pytorch#194058",),
+        affected=">=2.6,<2.15",
+        check=_structural_check,
+        targets=(Wrap(f"{FSDP2}._fsdp_param:FSDPParam.to_accumulated_grad_if_needed", _skip),),
+        changes="it returns early for parameters that were never unsharded",
+    )
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Tuple
+
+from ._config import patch_env_var as toggle_for
+
+FIX = "fix"  # corrects torch's behaviour where the bug strikes; on by default
+POLICY = "policy"  # changes a default or adds a safety net on request; recorded under "policies"
+
+# Which check decided a verdict (``Verdict.decided_by``).
+STRUCTURE = "structural check"
+VERSION_AND_STRUCTURE = "version range and structural check"
+
+
+class Verdict(NamedTuple):
+    """A patch's answer to "needed here?".
+
+    ``status`` is "needed", "not_needed" or "unsupported"; ``decided_by`` says which check decided
+    it. ``conclusive``: the structural check saw something no version can overrule (torch's own
+    fix is there, or there is nothing for the patch to act on), so it stands on any release.
+    """
+
+    status: str
+    reason: str
+    decided_by: str = STRUCTURE
+    conclusive: bool = False
+
+
+def needed(reason: str) -> Verdict:
+    return Verdict("needed", reason)
+
+
+def not_needed(reason: str, conclusive: bool = False) -> Verdict:
+    return Verdict("not_needed", reason, STRUCTURE, conclusive)
+
+
+def unsupported(reason: str) -> Verdict:
+    return Verdict("unsupported", reason)
+
+
+class Wrap(NamedTuple):
+    """Replace the callable at ``path`` by ``wrapt.FunctionWrapper(original, wrapper)``.
+
+    ``path`` is ``"module:Qualified.name"`` (wrapt's ``resolve_path`` spelling). ``wrapper`` has
+    wrapt's signature ``(wrapped, instance, args, kwargs)``. ``when``: apply this target only if it
+    returns True (an internal that only some releases have). ``everywhere``: also replace it in
+    every loaded ``torch.*`` module that imported it by name (``from x import f`` copies the
+    reference, so wrapping only the defining module would miss those callers).
+    """
+
+    path: str
+    wrapper: Callable[..., Any]
+    when: Optional[Callable[[], bool]] = None
+    everywhere: bool = False
+
+
+class Add(NamedTuple):
+    """Add an attribute torch lacks: ``owner.name = factory(owner)`` (a backported method)."""
+
+    path: str
+    factory: Callable[[Any], Any]
+    when: Optional[Callable[[], bool]] = None
+
+
+class Patch(NamedTuple):
+    """One fix (or policy), declared once.
+
+    name       -- identifier, also the toggle ``FSDP_AUTOPATCH_<NAME>_ENABLED`` and the registry key
+    summary    -- one line: what the user gets (README table, ``__init__`` docstring, status)
+    symptom    -- what happens without it: the exact error, or the wrong value
+    trigger    -- when it happens
+    upstream   -- references, e.g. ``("pytorch/pytorch#194058", "verl PR 7475")``
+    affected   -- ``packaging`` specifiers: the releases measured to have the bug
+    check      -- the structural check, ``() -> Verdict``; it may raise ImportError/AttributeError
+                  when torch's internals differ (recorded as unsupported)
+    targets    -- what is replaced, all or nothing (:class:`Wrap`, :class:`Add`)
+    changes    -- what applying it changed, for the registry's reason
+    kind       -- :data:`FIX` or :data:`POLICY`
+    variable   -- the toggle; derived from the name unless given (policies keep their own names)
+    default    -- on or off when no variable decides (policies are off unless asked for)
+    """
+
+    name: str
+    summary: str
+    symptom: str
+    trigger: str
+    upstream: Tuple[str, ...]
+    affected: str
+    check: Callable[[], Verdict]
+    targets: Tuple[Any, ...]
+    changes: str
+    kind: str = FIX
+    variable: Optional[str] = None
+    default: bool = True
+
+    @property
+    def toggle(self) -> str:
+        return self.variable or toggle_for(self.name)
