@@ -65,8 +65,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "**Registry** (status of each patch after `import torch.distributed.fsdp`, defaults on):",
         "",
-        "| torch | Python | run | accumulated_grad_guard | unused_param_reduction | uniform_reduce_dtype | restore_unused_param_grads | tests (passed / failed / skipped) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| torch | Python | run | " + " | ".join(EXPECTED.PATCHES) + " | tests (passed / failed / skipped) |",
+        "|---|---|---|" + "---|" * len(EXPECTED.PATCHES) + "---|",
     ]
     for r in results:
         reg = r.get("registry", {})

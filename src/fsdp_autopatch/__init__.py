@@ -1,15 +1,16 @@
-"""fsdp-autopatch: install and forget; every FSDP2 run in this environment gets four fixes.
+"""fsdp-autopatch: install and forget; every FSDP2 run in this environment gets its fixes.
 
 ``pip install fsdp-autopatch`` puts ``fsdp_autopatch.pth`` (and a PEP 829 ``fsdp_autopatch.start``)
 into site-packages. At interpreter start it arms a cheap, stdlib-only trigger; when torch's FSDP2
 (``torch.distributed.fsdp._fully_shard``) is imported, the patches below are applied, each one
 switchable by an environment variable, and a registry records what happened:
 
-* ``accumulated_grad_guard``     – a unit that never ran forward no longer crashes post-backward.
-* ``unused_param_reduction``     – ``FSDPModule.set_reduce_scatter_unused_params`` on torch < 2.13.
-* ``uniform_reduce_dtype``       – mixed-precision gradient accumulation no longer trips
-                                   "FSDP reduce-scatter expects uniform gradient dtype".
-* ``restore_unused_param_grads`` – a parameter that no rank used keeps ``grad is None``.
+.. generated: patches
+* ``accumulated_grad_guard``     – a unit that never ran forward does not crash post-backward.
+* ``unused_param_reduction``     – `FSDPModule.set_reduce_scatter_unused_params` on torch < 2.13.
+* ``uniform_reduce_dtype``       – mixed-precision gradient accumulation does not trip "FSDP reduce-scatter expects uniform gradient dtype".
+* ``restore_unused_param_grads`` – a parameter that no rank used keeps `grad is None`.
+.. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
 :class:`PatchRecord`, :class:`StatusReport`. Everything else is private.

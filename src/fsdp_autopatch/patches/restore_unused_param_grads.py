@@ -217,9 +217,9 @@ def _drop_probe_on_reset(wrapped, group, args, kwargs):
 
 PATCH = Patch(
     name="restore_unused_param_grads",
-    summary="a parameter that no rank used keeps grad is None",
+    summary="a parameter that no rank used keeps `grad is None`",
     symptom="an unused parameter gets an exact-zero gradient: AdamW steps it (weight decay, old momentum)",
-    trigger="the unused-param fill on (set_reduce_scatter_unused_params) and a parameter no rank used",
+    trigger="the unused-param fill is on (set_reduce_scatter_unused_params) and no rank used a parameter",
     upstream=("DDP's PyTorch issue 28294 (same class)", "Megatron-LM documents it"),
     # Every release with a fill (torch's from 2.13, the backport before) zero-fills unused params.
     affected=">=2.6",

@@ -141,7 +141,7 @@ def _zero_fill_unused(wrapped, group, args, kwargs):
 
 PATCH = Patch(
     name="unused_param_reduction",
-    summary="FSDPModule.set_reduce_scatter_unused_params on torch < 2.13",
+    summary="`FSDPModule.set_reduce_scatter_unused_params` on torch < 2.13",
     symptom="ranks issue different reduce-scatters: gloo aborts on a size mismatch, NCCL hangs or mixes gradients",
     trigger="ranks use different parameters of one unit (MoE experts without tokens, a skipped branch)",
     upstream=("PyTorch issue 158719", "PyTorch PR 174862", "torchtitan issue 2747"),

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Write the tables that list the patches from their declarations (``PATCH`` in each module).
+
+    python3 scripts/gen_docs.py          # rewrite the generated blocks in place
+    python3 scripts/gen_docs.py --check  # exit 1 and show the difference if one is stale
+
+Generated blocks sit between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` (in the
+package docstring: ``.. generated: NAME`` and ``.. end generated``):
+
+* README.md ``patches``: the patch table;
+* docs/configuration.md ``toggles``: one row per patch variable;
+* src/fsdp_autopatch/__init__.py ``patches``: the docstring's list.
+
+The matrix report's header comes from ``tests/expected.py`` (the hand-written oracle), which
+tests/unit/test_docs_generated.py compares with the catalogue. Needs torch (the patch modules
+import it); run it in the project's venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from packaging.specifiers import SpecifierSet  # noqa: E402
+
+from fsdp_autopatch import patches  # noqa: E402
+
+
+def torch_range(affected: str) -> str:
+    """``>=2.6,<2.15`` -> ``2.6 – 2.14``; ``>=2.6`` -> ``2.6 and later`` (releases are minor versions)."""
+    low = high = None
+    for spec in SpecifierSet(affected):
+        if spec.operator == ">=":
+            low = spec.version
+        elif spec.operator == "<":
+            major, minor = (int(part) for part in spec.version.split(".")[:2])
+            high = f"{major}.{minor - 1}"
+    if low and high:
+        return f"{low} – {high}"
+    return f"{low} and later" if low else f"up to {high}"
+
+
+def _fixes():
+    return [patches.load_patch(name) for name in patches.FIXES]
+
+
+def readme_table() -> str:
+    lines = ["| patch | what you get | without it | when | torch affected |", "|---|---|---|---|---|"]
+    for patch in _fixes():
+        lines.append(
+            f"| [`{patch.name}`](docs/patches/{patch.name}.md) | {patch.summary} | "
+            f"{_code_if_error(patch.symptom)} | {patch.trigger} | {torch_range(patch.affected)} |"
+        )
+    return "\n".join(lines)
+
+
+def _code_if_error(symptom: str) -> str:
+    # An exception message reads best as code; a described wrong value as prose.
+    return f"`{symptom}`" if re.match(r"^[A-Z]\w*Error\b", symptom) else symptom
+
+
+def toggle_rows() -> str:
+    header = "| Variable | Values | Default | Effect |\n|---|---|---|---|\n"
+    return header + "\n".join(
+        f"| `{patch.toggle}` | boolean | on | [`{patch.name}`](patches/{patch.name}.md) on/off: {patch.summary}. |"
+        for patch in _fixes()
+    )
+
+
+def init_list() -> str:
+    width = max(len(name) for name in patches.FIXES) + 4
+    return "\n".join(f"* {('``' + patch.name + '``').ljust(width)} – {patch.summary}." for patch in _fixes())
+
+
+# file -> [(block name, generator, comment style)]
+TARGETS = {
+    ROOT / "README.md": [("patches", readme_table, "html")],
+    ROOT / "docs" / "configuration.md": [("toggles", toggle_rows, "html")],
+    ROOT / "src" / "fsdp_autopatch" / "__init__.py": [("patches", init_list, "rst")],
+}
+_MARKERS = {
+    "html": ("<!-- generated: {name} -->", "<!-- end generated -->"),
+    "rst": (".. generated: {name}", ".. end generated"),
+}
+
+
+def render(text: str, name: str, body: str, style: str) -> str:
+    begin, end = (marker.format(name=name) for marker in _MARKERS[style])
+    pattern = re.compile(re.escape(begin) + r"\n.*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"gen_docs: marker {begin!r} not found")
+    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text, count=1)
+
+
+def expected_files() -> dict[Path, str]:
+    result = {}
+    for path, blocks in TARGETS.items():
+        text = path.read_text()
+        for name, generate, style in blocks:
+            text = render(text, name, generate(), style)
+        result[path] = text
+    return result
+
+
+def stale() -> list[str]:
+    """Unified diffs of every generated block that differs from the declarations."""
+    diffs = []
+    for path, text in expected_files().items():
+        current = path.read_text()
+        if current != text:
+            name = str(path.relative_to(ROOT))
+            diffs.append("".join(difflib.unified_diff(current.splitlines(True), text.splitlines(True), name, name)))
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if a generated block is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        diffs = stale()
+        sys.stdout.write("".join(diffs))
+        return 1 if diffs else 0
+    for path, text in expected_files().items():
+        path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
