@@ -10,7 +10,7 @@ Example (``patches/accumulated_grad_guard.py``)::
 
     PATCH = Patch(
         name="accumulated_grad_guard",
-        summary="a unit that never ran forward no longer crashes post-backward",
+        summary="a unit that never ran forward does not crash post-backward",
         symptom="AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'",
         trigger="gradient accumulation with reduce_dtype and a unit that skipped forward",
         upstream=("pytorch/pytorch#194058",),
