@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchStatus, StatusReport
+from ._version import __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,8 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-autopatch",
-        description="Automatic fixes for four PyTorch FSDP2 bugs: inspect them, diagnose the set-up, or run the demo.",
+        description="Automatic fixes for known PyTorch FSDP2 bugs: inspect them, diagnose the set-up, or run the demo.",
     )
+    parser.add_argument("--version", action="version", version=f"fsdp-autopatch {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{status,doctor,demo}")
     status = commands.add_parser(
         "status", help="import torch's FSDP2 and show which patches applied here, and why"
@@ -85,10 +87,10 @@ def format_table(report: StatusReport) -> str:
     torch = report.torch or "not installed"
     lines = [f"fsdp-autopatch {report.version}   torch {torch}   bootstrap: {report.bootstrap}", ""]
     width = max(len(r.name) for r in report.patches)
-    lines.append(f"{'PATCH':<{width}}  {'STATUS':<11}  REASON")
+    lines.append(f"{'PATCH':<{width}}  {'STATUS':<11}  {'FIRED':>5}  REASON")
     for record in report.patches:
-        lines.append(f"{record.name:<{width}}  {record.status.value:<11}  {record.reason}")
-        lines.append(f"{'':<{width}}  {'':<11}  toggle: {record.env}=0|1")
+        lines.append(f"{record.name:<{width}}  {record.status.value:<11}  {record.fired:>5}  {record.reason}")
+        lines.append(f"{'':<{width}}  {'':<11}  {'':>5}  toggle: {record.env}=0|1")
     for name, description in report.policies.items():
         lines.append(f"policy {name}: {description}")
     if report.bootstrap == "not_run":

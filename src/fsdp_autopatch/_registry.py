@@ -47,6 +47,9 @@ class PatchRecord:
     # the default decided (the patch is on unless a variable says otherwise)
     variable: Optional[str] = None
     value: Optional[str] = None
+    # how many times, in this process, the patch changed what torch would have done (0: it never
+    # had to; see each patch's docs for what counts as one)
+    fired: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +60,7 @@ class PatchRecord:
             "decided_by": self.decided_by,
             "variable": self.variable,
             "value": self.value,
+            "fired": self.fired,
         }
 
 
@@ -107,6 +111,7 @@ class Registry:
         self._lock = threading.Lock()
         self._records: dict[str, _Entry] = {}
         self._policies: dict[str, str] = {}
+        self._fired: dict[str, int] = {}
         self._torch_version: str | None = None
         self.reset()
 
@@ -115,6 +120,7 @@ class Registry:
         with self._lock:
             self._records = {name: _Entry(PatchStatus.PENDING, _PENDING_REASON) for name in PATCH_NAMES}
             self._policies = {}
+            self._fired = {}
 
     def record(
         self, name: str, status: PatchStatus, reason: str, decided_by: str = "", decision: Any = None
@@ -132,6 +138,13 @@ class Registry:
                 if entry.status is PatchStatus.PENDING:
                     self._records[name] = _Entry(status, reason)
 
+    def count_fire(self, name: str) -> int:
+        """One more fire of patch ``name``; returns its count in this process."""
+        with self._lock:
+            count = self._fired.get(name, 0) + 1
+            self._fired[name] = count
+            return count
+
     def record_policy(self, name: str, description: str) -> None:
         with self._lock:
             self._policies[name] = description
@@ -148,14 +161,17 @@ class Registry:
     def snapshot(self) -> StatusReport:
         torch_version = self._torch_version or _process.torch_version()
         with self._lock:
-            patches = tuple(_explain_pending(_as_record(name, e), torch_version) for name, e in self._records.items())
+            patches = tuple(
+                _explain_pending(_as_record(name, e, self._fired.get(name, 0)), torch_version)
+                for name, e in self._records.items()
+            )
             policies = dict(self._policies)
         return StatusReport(__version__, torch_version, _process.started_by() or "not_run", patches, policies)
 
 
-def _as_record(name: str, entry: _Entry) -> PatchRecord:
+def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:
     env = patch_env_var(name)
-    return PatchRecord(name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value)
+    return PatchRecord(name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value, fired)
 
 
 def _explain_pending(record: PatchRecord, torch_version: str | None) -> PatchRecord:

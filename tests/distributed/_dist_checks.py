@@ -92,6 +92,20 @@ def assert_registry(run: RunResult, expected: dict[str, str]) -> None:
             )
 
 
+def fired(run: RunResult, name: str) -> list[int]:
+    """``PatchRecord.fired`` of patch ``name`` on each rank, after the scenario trained."""
+    return [statuses(rank)[name]["fired"] for rank in run.ranks]
+
+
+def assert_fired_where_applied(run: RunResult, name: str) -> None:
+    """The patch acted on every rank if it applied here (the bug would have hit), never otherwise."""
+    counts = fired(run, name)
+    if EXPECTED_STATUS[name] == "applied":
+        assert all(count > 0 for count in counts), f"{name} applied but never fired: {counts}"
+    else:
+        assert counts == [0] * len(counts), f"{name} is {EXPECTED_STATUS[name]} but fired: {counts}"
+
+
 def assert_registry_with_disabled(run: RunResult, disabled: str) -> None:
     """``disabled`` reports disabled by its own variable; the other patches are unaffected."""
     expected = dict(EXPECTED_STATUS)

@@ -85,6 +85,7 @@ def test_patched_text_only_step(patched):
     patched.assert_clean()
     ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})
     _check_text_only(patched)
+    ck.assert_fired_where_applied(patched, PATCH)  # the skipped tower's post-backward
 
 
 def test_patched_tower_joins_in_a_later_step(patched):

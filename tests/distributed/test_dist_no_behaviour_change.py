@@ -37,6 +37,8 @@ def test_registry(plugin_on, plugin_off):
         ck.note("gloo's reduce-scatter sums for ReduceOp.AVG (PyTorch issue 162338, not one of our bugs): "
                 "the scenarios call set_force_sum_reduction_for_comms(True) on every unit")
     ck.assert_registry(plugin_on, ck.EXPECTED_STATUS)
+    for name in ck.EXPECTED_STATUS:
+        assert ck.fired(plugin_on, name) == [0, 0], name  # a clean model: no patch had to act
     for rank in plugin_off.ranks:
         ap = rank.autopatch
         assert "import_error" not in ap, ap

@@ -28,7 +28,16 @@ def unpatched():
 
 @pytest.fixture(scope="module")
 def patched():
-    return run_ranks("restore_unused")
+    return run_ranks("restore_unused", env={"FSDP_AUTOPATCH_LOG_LEVEL": "INFO"})
+
+
+def test_patched_fires_and_logs_the_first_fire_once_per_process(patched):
+    ck.assert_fired_where_applied(patched, PATCH)  # the expert no rank used, put back to None
+    for rank in patched.ranks:
+        output = rank.stdout_tail + rank.stderr_tail
+        assert output.count(f"{PATCH} fired: ") == 1, output
+        assert "experts.2." in output, output  # where: the parameter no rank used
+    assert ck.fired(patched, "accumulated_grad_guard") == [0, 0]  # nothing for it to do here
 
 
 def _check_warmup(run):

@@ -95,5 +95,9 @@ def test_patched_grads_fp32_and_correct(patched, case, plan):
     ck.observe_patched("c", "fp32 gradients equal the reference (late param, fill zero)")
 
 
+def test_patched_fires_on_the_mixed_dtype_reduce(patched):
+    ck.assert_fired_where_applied(patched, PATCH)
+
+
 def test_patched_run_clean(patched):
     patched.assert_clean()

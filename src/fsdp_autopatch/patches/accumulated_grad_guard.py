@@ -32,7 +32,7 @@ Disable with ``FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED=0``.
 
 from __future__ import annotations
 
-from .. import _compat
+from .. import _compat, _events
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _METHOD = "to_accumulated_grad_if_needed"
@@ -51,6 +51,12 @@ def _skip_never_unsharded(wrapped, fsdp_param, args, kwargs):
     # No _unsharded_param: this parameter's unit never ran forward, so there is no unsharded
     # gradient to convert to reduce_dtype.
     if _compat.unsharded_param(fsdp_param) is None:
+        if getattr(fsdp_param, "reduce_dtype", None) is not None:  # torch reads _unsharded_param: the crash
+            _events.fired(
+                "accumulated_grad_guard",
+                "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param' in post-backward",
+                f"parameter {_events.param_names([fsdp_param])}, whose unit never ran forward",
+            )
         return None
     return wrapped(*args, **kwargs)
 

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _compat
+from .. import _compat, _events
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 from . import unused_param_reduction
 
@@ -182,8 +182,19 @@ def restore_unused(groups: list[Any]) -> None:
         for group, probe in entries:
             for fsdp_param, existed in zip(group.fsdp_params, probe.grad_existed):
                 if not flags[position] and not existed:
-                    fsdp_param.sharded_param.grad = None
+                    _put_back_none(fsdp_param)
                 position += 1
+
+
+def _put_back_none(fsdp_param: Any) -> None:
+    if fsdp_param.sharded_param.grad is None:
+        return
+    fsdp_param.sharded_param.grad = None
+    _events.fired(
+        "restore_unused_param_grads",
+        "an exact-zero gradient the optimizer would have stepped (weight decay, momentum)",
+        f"parameter {_events.param_names([fsdp_param])}, used by no rank",
+    )
 
 
 def _restore_probed(root_state: Any) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .. import _compat, _events
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _FUNCTION = "foreach_reduce"
@@ -65,23 +65,32 @@ def widest_float_dtype(dtypes) -> Any:
         return None
 
 
-def make_uniform(grads: list) -> None:
-    """Convert, in place, mixed floating-point gradients to their promoted dtype."""
+def make_uniform(grads: list) -> Any:
+    """Convert, in place, mixed floating-point gradients to their promoted dtype; returns the
+    dtypes it found mixed, or None when it changed nothing."""
     dtypes = {grad.dtype for grad in grads}
     if len(dtypes) < 2 or not all(dtype.is_floating_point for dtype in dtypes):
-        return
+        return None
     target = widest_float_dtype(dtypes)
     if target is None:
-        return
+        return None
     for index, grad in enumerate(grads):
         if grad.dtype != target:
             grads[index] = grad.to(target)
+    return dtypes
 
 
 def _uniform_dtype_reduce(wrapped, instance, args, kwargs):
     grads = args[1] if len(args) > 1 else kwargs.get("unsharded_grads")
-    if grads:
-        make_uniform(grads)
+    mixed = make_uniform(grads) if grads else None
+    if mixed:
+        fsdp_params = args[0] if args else kwargs.get("fsdp_params", ())
+        shown = ", ".join(sorted(str(dtype).replace("torch.", "") for dtype in mixed))
+        _events.fired(
+            "uniform_reduce_dtype",
+            f"AssertionError: FSDP reduce-scatter expects uniform gradient dtype (got {shown})",
+            f"reduce-scatter of {_events.param_names(fsdp_params)}",
+        )
     return wrapped(*args, **kwargs)
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _compat
+from .. import _compat, _events
 from .._spec import Add, Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _METHOD = "set_reduce_scatter_unused_params"
@@ -132,10 +132,16 @@ def _needs_zero_grad(fsdp_param) -> bool:
 
 def _zero_fill_unused(wrapped, group, args, kwargs):
     if group.reduce_grads and getattr(group, FLAG, False):
-        for fsdp_param in group.fsdp_params:
-            if _needs_zero_grad(fsdp_param):
-                unsharded = fsdp_param._unsharded_param
-                unsharded.grad = torch.zeros_like(unsharded)
+        filled = [fsdp_param for fsdp_param in group.fsdp_params if _needs_zero_grad(fsdp_param)]
+        for fsdp_param in filled:
+            unsharded = fsdp_param._unsharded_param
+            unsharded.grad = torch.zeros_like(unsharded)
+        if filled:  # one fire per unit that got the fill
+            _events.fired(
+                "unused_param_reduction",
+                "this rank would have left them out of the reduce-scatter (size mismatch, hang or mixed gradients)",
+                f"zero gradients for {_events.param_names(filled)}",
+            )
     return wrapped(*args, **kwargs)
 
 

@@ -1,0 +1,38 @@
+"""Evidence that a patch changed what torch would have done: per-patch counts and a first-fire log.
+
+A patch calls :func:`fired` only where it acts (a post-backward that skipped a never-unsharded
+parameter, a reduce-scatter whose gradient dtypes it widened, a gradient it put back to ``None``,
+a unit it zero-filled), never on the common path: no collective, no device sync, no allocation.
+The count goes to the registry (``PatchRecord.fired``). The first fire of a patch in a process
+logs one INFO record on the ``fsdp_autopatch`` logger, ``<patch> fired: <what would have happened
+without it> (<where>)``; later fires log at DEBUG only. The logger is silent unless
+``FSDP_AUTOPATCH_LOG_LEVEL`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._registry import REGISTRY
+
+logger = logging.getLogger("fsdp_autopatch")
+_MAX_WHERE = 160  # a unit can hold hundreds of parameters: the log line names the first few
+
+
+def fired(name: str, without: str, where: str = "") -> None:
+    """Record one fire of patch ``name``: ``without`` says what torch would have done instead."""
+    count = REGISTRY.count_fire(name)
+    level = logging.INFO if count == 1 else logging.DEBUG
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s fired: %s%s", name, without, f" ({shorten(where)})" if where else "")
+
+
+def shorten(text: str) -> str:
+    return text if len(text) <= _MAX_WHERE else f"{text[:_MAX_WHERE]}... [{len(text)} characters]"
+
+
+def param_names(fsdp_params, limit: int = 4) -> str:
+    """``layer.weight, layer.bias, +3 more`` from FSDPParams (their fully qualified names)."""
+    names = [str(getattr(p, "_param_fqn", None) or "?") for p in fsdp_params]
+    shown = ", ".join(names[:limit])
+    return shown + (f", +{len(names) - limit} more" if len(names) > limit else "")
