@@ -13,26 +13,52 @@ switchable by an environment variable, and a registry records what happened:
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
-:class:`PatchRecord`, :class:`StatusReport`. Everything else is private.
+:class:`PatchRecord`, :class:`StatusReport`; for authors of patches shipped by other distributions
+(entry-point group ``fsdp_autopatch.patches``): :class:`Patch`, :class:`Wrap`, :class:`Add`,
+:class:`Verdict`, :func:`needed`, :func:`not_needed`, :func:`unsupported`, :func:`fired`.
+Everything else is private.
 
-This module is imported at every interpreter start (the ``.pth`` imports a submodule), so it
-imports nothing heavy: the registry types are loaded on first use.
+Interpreter start does not import this package: the ``.pth`` imports only the top-level module
+``_fsdp_autopatch_bootstrap``. This module still imports nothing heavy (the registry types are
+loaded on first use): ``import fsdp_autopatch`` should cost a training script nothing.
 """
 
-# ``__version__`` is loaded on first use too (``__getattr__`` below): this module runs at every
-# interpreter start, and one module fewer there is ~0.1-0.2 ms (bench/startup.py).
+# ``__version__`` is loaded on first use too (``__getattr__`` below), so that
+# ``import fsdp_autopatch`` loads this one module.
 
 __all__ = [
+    "Add",
+    "Patch",
     "PatchRecord",
     "PatchStatus",
     "StatusReport",
+    "Verdict",
+    "Wrap",
     "__version__",
     "applied",
+    "fired",
     "install",
+    "needed",
+    "not_needed",
     "status",
+    "unsupported",
 ]
 
-_LAZY = {"PatchRecord", "PatchStatus", "StatusReport"}
+# public name -> the private module that defines it, imported on first use
+_LAZY = {
+    "PatchRecord": "_registry",
+    "PatchStatus": "_registry",
+    "StatusReport": "_registry",
+    # for patch authors (docs/guides/writing-a-patch.md): the declaration and what its check returns
+    "Patch": "_spec",
+    "Wrap": "_spec",
+    "Add": "_spec",
+    "Verdict": "_spec",
+    "needed": "_spec",
+    "not_needed": "_spec",
+    "unsupported": "_spec",
+    "fired": "_events",
+}
 
 
 def install() -> None:
@@ -42,9 +68,9 @@ def install() -> None:
     yourself where ``site`` does not run (``python -S``, embedded interpreters). If torch's FSDP2 is
     already imported, the patches are applied right away; otherwise when it is imported.
     """
-    from . import _bootstrap
+    import _fsdp_autopatch_bootstrap
 
-    _bootstrap.install("explicit")
+    _fsdp_autopatch_bootstrap.install("explicit")
 
 
 def status():
@@ -68,11 +94,11 @@ def __getattr__(name: str):
 
         return __version__
     if name in _LAZY:
-        from . import _registry
+        import importlib
 
-        return getattr(_registry, name)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | _LAZY | {"__version__"})
+    return sorted(set(globals()) | set(_LAZY) | {"__version__"})

@@ -22,8 +22,8 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from . import _compat, _patching, _process, patches
-from ._config import Decision, Settings, read_settings, warn
+from . import _compat, _patching, _process, _thirdparty, patches
+from ._config import THIRD_PARTY, Decision, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
 from ._spec import Patch, Verdict
 from .patches import FIXES, POLICIES
@@ -41,16 +41,41 @@ def activate(module: Any = None) -> None:
     every target is resolved by its dotted path.
     """
     with _lock:
-        settings = _read_settings_safely()
+        externals = _discover_isolated()
+        settings = _read_settings_safely(FIXES + tuple(external.name for external in externals))
         _configure_logging(settings)
         REGISTRY.record_torch_version(_process.torch_version())
         for name in FIXES:
-            _run_fix(name, settings)
+            _run_fix(name, settings, patches.load_patch)
+        for external in externals:
+            _run_external(external, settings)
         for name in POLICIES:
             _run_policy(name, settings)
 
 
-def _run_fix(name: str, settings: Settings) -> None:
+def _discover_isolated() -> list[_thirdparty.External]:
+    """Third-party patches from installed metadata (no code imported); none if that fails."""
+    try:
+        externals, refused = _thirdparty.discover(FIXES + POLICIES)
+    except Exception as error:
+        REGISTRY.record_policy("third_party", f"not armed: discovery failed: {type(error).__name__}: {error}")
+        return []
+    for entry in refused:
+        REGISTRY.add_external(entry.key, entry.provider, PatchStatus.FAILED, entry.reason)
+    for external in externals:
+        REGISTRY.add_external(external.name, external.provider)
+    return externals
+
+
+def _run_external(external: _thirdparty.External, settings: Settings) -> None:
+    if not settings.third_party:
+        decision = Decision(False, THIRD_PARTY, "0")
+        _record(external.name, PatchStatus.DISABLED, f"disabled by {decision.describe()}", decision)
+        return
+    _run_fix(external.name, settings, lambda _: _thirdparty.validate(external.load(), external), external.provider)
+
+
+def _run_fix(name: str, settings: Settings, load: Any, provider: str | None = None) -> None:
     status, _ = REGISTRY.get(name)
     if status is PatchStatus.APPLIED:
         return  # idempotent: a second activation leaves an applied patch alone
@@ -58,7 +83,7 @@ def _run_fix(name: str, settings: Settings) -> None:
     if not decision.enabled:
         _record(name, PatchStatus.DISABLED, f"disabled by {decision.describe()}", decision)
         return
-    patch = _load_isolated(name, settings, decision)
+    patch = _load_isolated(name, load, provider, settings, decision)
     if patch is None:
         return
     verdict = _verdict_isolated(patch, settings, decision)
@@ -75,18 +100,19 @@ def _run_fix(name: str, settings: Settings) -> None:
         if settings.strict:
             raise
         return
-    _record(name, PatchStatus.APPLIED, f"{verdict.reason} -> patched: {patch.changes} (wraps {replaced})", decision, verdict)
+    reason = f"{verdict.reason} -> patched: {patch.changes} (wraps {replaced})"
+    _record(name, PatchStatus.APPLIED, reason, decision, verdict)
 
 
-def _load_isolated(name: str, settings: Settings, decision: Decision) -> Patch | None:
+def _load_isolated(name: str, load: Any, provider: str | None, settings: Settings, decision: Decision) -> Patch | None:
     """The declaration, or None when its module does not import (recorded as failed).
 
     One module at a time: a patch module that fails on this interpreter costs only that patch.
     """
     try:
-        return patches.load_patch(name)
+        return load(name)
     except Exception as error:
-        where = _process.our_module_in(error)
+        where = provider or _process.our_module_in(error)
         reason = f"loading the patch failed in {where}: {type(error).__name__}: {error}"
         _record(name, PatchStatus.FAILED, reason, decision)
         if settings.strict:
@@ -138,9 +164,9 @@ def _run_policy(name: str, settings: Settings) -> None:
             raise  # strict: a policy the user asked for by its variable must be in force
 
 
-def _read_settings_safely() -> Settings:
+def _read_settings_safely(names: tuple[str, ...]) -> Settings:
     try:
-        return read_settings()
+        return read_settings(names=names)
     except Exception:  # never let a parsing bug break the import of torch
         logger.exception("reading FSDP_AUTOPATCH_* variables failed; using defaults")
         return Settings()
@@ -173,6 +199,5 @@ def revert_all() -> None:
 
     with _lock:
         _consistency.revert()
-        for name in reversed(FIXES + POLICIES):
-            _patching.revert(name)
+        _patching.revert_all()
         REGISTRY.reset()

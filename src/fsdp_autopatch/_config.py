@@ -26,6 +26,7 @@ STRICT = "FSDP_AUTOPATCH_STRICT"
 LOG_LEVEL = "FSDP_AUTOPATCH_LOG_LEVEL"
 REDUCE_SCATTER_UNUSED_PARAMS = "FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS"
 CROSS_RANK_CHECK = "FSDP_AUTOPATCH_CROSS_RANK_CHECK"
+THIRD_PARTY = "FSDP_AUTOPATCH_THIRD_PARTY"
 
 from .patches import PATCH_NAMES  # stdlib only: the catalogue's names, no patch code
 
@@ -145,6 +146,7 @@ class Settings:
         log_level: "str | None" = None,
         reduce_scatter_unused_params: bool = False,
         cross_rank_check: bool = True,
+        third_party: bool = True,
     ) -> None:
         self.enabled = enabled
         # patch name -> Decision (enabled?, and the variable and value that decided it)
@@ -153,6 +155,7 @@ class Settings:
         self.log_level = log_level
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
         self.cross_rank_check = cross_rank_check
+        self.third_party = third_party  # patches other installed distributions declare
 
     def __repr__(self) -> str:
         return f"Settings({self.__dict__!r})"
@@ -172,14 +175,18 @@ class Settings:
 def read_settings(
     environ: "Mapping[str, str]" = os.environ,
     warn: "Callable[[str, str], None]" = warn,
+    names: "tuple[str, ...]" = PATCH_NAMES,
 ) -> Settings:
-    """Read every ``FSDP_AUTOPATCH_*`` variable; bad values keep their default and warn once."""
+    """Read every ``FSDP_AUTOPATCH_*`` variable; bad values keep their default and warn once.
+
+    ``names``: every patch to decide, the built-in ones and those other distributions declare.
+    """
     enabled = _read_bool(environ, KILL_SWITCH, True, warn)
-    disabled_list = _read_disabled_list(environ, warn)
+    disabled_list = _read_disabled_list(environ, warn, names)
     patches = {}
-    for name in PATCH_NAMES:
+    for name in names:
         patches[name] = _decide_patch(environ, name, enabled, disabled_list, warn)
-    _warn_unknown_variables(environ, warn)
+    _warn_unknown_variables(environ, warn, names)
     settings = Settings(
         enabled=enabled,
         patches=patches,
@@ -187,6 +194,7 @@ def read_settings(
         log_level=_read_log_level(environ, warn),
         reduce_scatter_unused_params=_read_bool(environ, REDUCE_SCATTER_UNUSED_PARAMS, False, warn),
         cross_rank_check=_read_bool(environ, CROSS_RANK_CHECK, True, warn),
+        third_party=_read_bool(environ, THIRD_PARTY, True, warn),
     )
     for name, variable in POLICY_VARIABLES.items():
         on = settings.decision(name).enabled
@@ -216,19 +224,19 @@ def _describe_default(default) -> str:
     return f"default: {'on' if default else 'off'}"
 
 
-def _read_disabled_list(environ, warn) -> frozenset[str]:
+def _read_disabled_list(environ, warn, known) -> "frozenset[str]":
     raw = environ.get(DISABLED_LIST, "")
     names = {part.strip().lower() for part in raw.split(",") if part.strip()}
-    unknown = sorted(names - set(PATCH_NAMES) - {"*"})
+    unknown = sorted(names - set(known) - {"*"})
     if unknown:
         warn(
             DISABLED_LIST,
             f"{DISABLED_LIST} names unknown patch(es) {', '.join(_shown(name) for name in unknown)}; "
-            f"known patches: {', '.join(PATCH_NAMES)} (or '*' for all)",
+            f"known patches: {', '.join(known)} (or '*' for all)",
         )
     if "*" in names:
-        return frozenset(PATCH_NAMES)
-    return frozenset(names & set(PATCH_NAMES))
+        return frozenset(known)
+    return frozenset(names & set(known))
 
 
 def _decide_patch(environ, name, enabled, disabled_list, warn) -> Decision:
@@ -254,15 +262,15 @@ def _read_log_level(environ, warn) -> "str | None":
     return level
 
 
-def _known_variables() -> frozenset[str]:
+def _known_variables(names=PATCH_NAMES) -> "frozenset[str]":
     return frozenset(
-        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, REDUCE_SCATTER_UNUSED_PARAMS, CROSS_RANK_CHECK}
-        | {patch_env_var(name) for name in PATCH_NAMES}
+        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, REDUCE_SCATTER_UNUSED_PARAMS, CROSS_RANK_CHECK, THIRD_PARTY}
+        | {patch_env_var(name) for name in names}
     )
 
 
-def _warn_unknown_variables(environ, warn) -> None:
-    known = _known_variables()
+def _warn_unknown_variables(environ, warn, names=PATCH_NAMES) -> None:
+    known = _known_variables(names)
     for variable in environ:
         if not variable.startswith(PREFIX) or variable in known:
             continue

@@ -74,9 +74,20 @@ def import_sites(original: Any, attribute: str) -> list[Any]:
     ]
 
 
-def describe(planned: Iterable[tuple[Any, str, Any]]) -> str:
-    """``FSDPParam.to_accumulated_grad_if_needed, _fsdp_collectives.foreach_reduce``."""
-    return ", ".join(f"{_short_name(owner)}.{attribute}" for owner, attribute, _ in planned)
+def describe(planned: Iterable[tuple[Any, str, Any]], patch_name: str = "") -> str:
+    """``FSDPParam.to_accumulated_grad_if_needed, FSDPParamGroup.post_backward (over
+    unused_param_reduction's wrapper)``: what is replaced, and which earlier patches it composes with."""
+    parts = []
+    for owner, attribute, _ in planned:
+        others = [name for name in holders(owner, attribute) if name != patch_name]
+        over = f" (over {', '.join(others)}'s wrapper)" if others else ""
+        parts.append(f"{_short_name(owner)}.{attribute}{over}")
+    return ", ".join(parts)
+
+
+def holders(owner: Any, attribute: str) -> list[str]:
+    """The applied patches that replaced ``owner.attribute``, in the order they were applied."""
+    return [name for name, done in _applied.items() if any(o is owner and a == attribute for o, a, _ in done)]
 
 
 def _short_name(owner: Any) -> str:
@@ -87,10 +98,11 @@ def _short_name(owner: Any) -> str:
 def apply(patch: Patch) -> str:
     """Apply every target of ``patch``, all or nothing; idempotent. Returns what was replaced."""
     if patch.name in _applied:
-        return describe(_applied[patch.name])
+        return describe(_applied[patch.name], patch.name)
     planned = replacements(patch)
+    description = describe(planned, patch.name)
     replace_all(patch.name, planned)
-    return describe(planned)
+    return description
 
 
 def replace_all(patch_name: str, planned: Iterable[tuple[Any, str, Any]]) -> None:
@@ -120,6 +132,12 @@ def is_applied(patch_name: str) -> bool:
 def revert(patch_name: str) -> None:
     """Undo one patch (tests). Revert patches in the reverse order of application."""
     _undo(_applied.pop(patch_name, []))
+
+
+def revert_all() -> None:
+    """Undo every applied patch, the last applied first (wrappers over wrappers unwind in order)."""
+    for name in reversed(list(_applied)):
+        revert(name)
 
 
 def _undo(done: list[tuple[Any, str, Any]]) -> None:

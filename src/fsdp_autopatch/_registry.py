@@ -50,6 +50,8 @@ class PatchRecord:
     # how many times, in this process, the patch changed what torch would have done (0: it never
     # had to; see each patch's docs for what counts as one)
     fired: int = 0
+    # the distribution that declares it, "<name> <version>"; None for fsdp-autopatch's own patches
+    provider: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +63,7 @@ class PatchRecord:
             "variable": self.variable,
             "value": self.value,
             "fired": self.fired,
+            "provider": self.provider,
         }
 
 
@@ -96,14 +99,17 @@ _PENDING_REASON = f"waiting for {HOOK_TARGET} to be imported"
 class _Entry:
     """One patch's record as the registry keeps it (mutable under the registry's lock)."""
 
-    __slots__ = ("status", "reason", "decided_by", "variable", "value")
+    __slots__ = ("status", "reason", "decided_by", "variable", "value", "provider")
 
-    def __init__(self, status: PatchStatus, reason: str, decided_by: str = "", variable=None, value=None) -> None:
+    def __init__(
+        self, status: PatchStatus, reason: str, decided_by: str = "", variable=None, value=None, provider=None
+    ) -> None:
         self.status = PatchStatus(status)
         self.reason = reason
         self.decided_by = decided_by
         self.variable = variable
         self.value = value
+        self.provider = provider
 
 
 class Registry:
@@ -129,14 +135,21 @@ class Registry:
         variable = getattr(decision, "variable", None)
         value = getattr(decision, "value", None)
         with self._lock:
-            self._records[name] = _Entry(status, reason, decided_by, variable, value)
+            provider = self._records[name].provider if name in self._records else None
+            self._records[name] = _Entry(status, reason, decided_by, variable, value, provider)
+
+    def add_external(self, name: str, provider: str, status: PatchStatus = PatchStatus.PENDING, reason: str = "") -> None:
+        """A record for a patch another distribution declares (kept until :meth:`reset`)."""
+        with self._lock:
+            if name not in self._records or status is not PatchStatus.PENDING:
+                self._records[name] = _Entry(status, reason or _PENDING_REASON, provider=provider)
 
     def settle_pending(self, status: PatchStatus | str, reason: str) -> None:
         """Give every patch still pending ``status`` (the hook failed, or could not be armed)."""
         with self._lock:
             for name, entry in list(self._records.items()):
                 if entry.status is PatchStatus.PENDING:
-                    self._records[name] = _Entry(status, reason)
+                    self._records[name] = _Entry(status, reason, provider=entry.provider)
 
     def count_fire(self, name: str) -> int:
         """One more fire of patch ``name``; returns its count in this process."""
@@ -170,8 +183,10 @@ class Registry:
 
 
 def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:
-    env = patch_env_var(name)
-    return PatchRecord(name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value, fired)
+    env = patch_env_var(name.rsplit(":", 1)[-1])  # a refused third-party record is "<distribution>:<name>"
+    return PatchRecord(
+        name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value, fired, entry.provider
+    )
 
 
 def _explain_pending(record: PatchRecord, torch_version: str | None) -> PatchRecord:

@@ -215,7 +215,7 @@ def test_cli_status_json(torch_venv: Venv, wheel) -> None:
     assert report["bootstrap"] == "pth"
     assert [p["name"] for p in report["patches"]] == list(PATCH_NAMES)
     for patch in report["patches"]:
-        assert set(patch) == {"name", "status", "reason", "env", "decided_by", "variable", "value", "fired"}, patch
+        assert set(patch) == {"name", "status", "reason", "env", "decided_by", "variable", "value", "fired", "provider"}, patch
         assert patch["fired"] == 0, patch  # `status` trains nothing: no patch had to act
         assert patch["env"] == f"FSDP_AUTOPATCH_{patch['name'].upper()}_ENABLED"
         # every release the tests run on is a measured one: the version range and the structure both decided
