@@ -90,7 +90,8 @@ def format_table(report: StatusReport) -> str:
     lines.append(f"{'PATCH':<{width}}  {'STATUS':<11}  {'FIRED':>5}  REASON")
     for record in report.patches:
         lines.append(f"{record.name:<{width}}  {record.status.value:<11}  {record.fired:>5}  {record.reason}")
-        lines.append(f"{'':<{width}}  {'':<11}  {'':>5}  toggle: {record.env}=0|1")
+        source = f"   from {record.provider}" if record.provider else ""
+        lines.append(f"{'':<{width}}  {'':<11}  {'':>5}  toggle: {record.env}=0|1{source}")
     for name, description in report.policies.items():
         lines.append(f"policy {name}: {description}")
     if report.bootstrap == "not_run":

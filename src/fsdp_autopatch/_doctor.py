@@ -20,6 +20,7 @@ from . import _hook, _process
 from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
 from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchStatus
+from .patches import FIXES, POLICIES
 
 PTH_NAME = "fsdp_autopatch.pth"
 START_NAME = "fsdp_autopatch.start"
@@ -145,7 +146,9 @@ def _bootstrap_ran() -> Finding:
 def _environment() -> list[Finding]:
     variables = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
     warnings: list[tuple[str, str]] = []
-    settings = read_settings(os.environ, warn=lambda variable, message: warnings.append((variable, message)))
+    settings = read_settings(
+        os.environ, warn=lambda variable, message: warnings.append((variable, message)), names=_patch_names()
+    )
     findings = []
     if variables:
         shown = ", ".join(f"{k}={v!r}" for k, v in sorted(variables.items()))
@@ -170,6 +173,17 @@ def _environment() -> list[Finding]:
             f"unset {KILL_SWITCH}",
         ))
     return findings
+
+
+def _patch_names() -> tuple[str, ...]:
+    """Built-in patches and the third-party ones installed here (their toggles are known variables)."""
+    try:
+        from . import _thirdparty  # inside the try: doctor must run when our own modules do not
+
+        externals, _ = _thirdparty.discover(FIXES + POLICIES)
+    except Exception:  # unreadable metadata, or a module of ours that does not import: findings say so
+        externals = []
+    return FIXES + tuple(external.name for external in externals)
 
 
 def _torch_and_patches() -> list[Finding]:
@@ -204,6 +218,13 @@ def _torch_and_patches() -> list[Finding]:
 
 
 def _patch_finding(record: Any) -> Finding:
+    finding = _patch_finding_of_status(record)
+    if record.provider:  # a patch another distribution declares: say whose
+        finding = finding._replace(message=f"{finding.message} [from {record.provider}]")
+    return finding
+
+
+def _patch_finding_of_status(record: Any) -> Finding:
     status = record.status
     if status in (PatchStatus.APPLIED, PatchStatus.NOT_NEEDED):
         return Finding(record.name, OK, f"{status.value}: {record.reason}")
