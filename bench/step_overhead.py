@@ -172,7 +172,7 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
 
     import torch
 
-    from fsdp_autopatch import _compat
+    from fsdp_autopatch import _compat, _patching
     from fsdp_autopatch.patches import accumulated_grad_guard as guard
     from fsdp_autopatch.patches import restore_unused_param_grads as restore
     from fsdp_autopatch.patches import uniform_reduce_dtype as uniform
@@ -212,7 +212,7 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
         number = 2000
         return min(timeit.repeat(func, number=number, repeat=5)) / number
 
-    method_wrapper = {name: _compat.wrap(noop, wrappers[name]) for name in wrappers}
+    method_wrapper = {name: _patching.wrap(noop, wrappers[name]) for name in wrappers}
     cost = {
         "accumulated_grad_guard": per_call(lambda: method_wrapper["accumulated_grad_guard"].__get__(fsdp_param, type(fsdp_param))())
         - per_call(lambda: noop.__get__(fsdp_param, type(fsdp_param))()),
