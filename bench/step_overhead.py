@@ -214,7 +214,9 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
 
     method_wrapper = {name: _patching.wrap(noop, wrappers[name]) for name in wrappers}
     cost = {
-        "accumulated_grad_guard": per_call(lambda: method_wrapper["accumulated_grad_guard"].__get__(fsdp_param, type(fsdp_param))())
+        "accumulated_grad_guard": per_call(
+            lambda: method_wrapper["accumulated_grad_guard"].__get__(fsdp_param, type(fsdp_param))()
+        )
         - per_call(lambda: noop.__get__(fsdp_param, type(fsdp_param))()),
         "uniform_reduce_dtype": per_call(lambda: method_wrapper["uniform_reduce_dtype"](group.fsdp_params, grads))
         - per_call(lambda: noop(group.fsdp_params, grads)),
@@ -414,7 +416,9 @@ def summarize(case: str, result: dict) -> dict:
         "collectives_per_step_in_backward": {"patched": calls_on, "unpatched": calls_off, "extra": extra},
         "process_groups_with_extra_all_reduce": len(extra_pgs),
         "wrapper_cost": result.get("wrapper_cost"),
-        "wrapper_cost_fraction": (result["wrapper_cost"]["us_per_step"] / 1e3 / (off * 1e3)) if result.get("wrapper_cost") else None,
+        "wrapper_cost_fraction": (
+            (result["wrapper_cost"]["us_per_step"] / 1e3 / (off * 1e3)) if result.get("wrapper_cost") else None
+        ),
         "probe_peak_bytes": peak["bytes"],
         "probe_peak_bytes_per_param": peak["bytes"] / peak["params"] if peak["params"] else 0.0,
         "left_after_step": patched["leftover"],
@@ -441,7 +445,8 @@ def print_summary(s: dict) -> None:
         print(f"  {name:<22} per step in backward: patched {calls['patched'].get(name, 0):5.1f}  "
               f"unpatched {calls['unpatched'].get(name, 0):5.1f}  extra {calls['extra'][name]:+.1f}")
     print(f"  process groups with an extra all-reduce: {s['process_groups_with_extra_all_reduce']}")
-    print(f"  usage probe at its peak: {s['probe_peak_bytes']} bytes ({s['probe_peak_bytes_per_param']:.1f} per parameter); "
+    print(f"  usage probe at its peak: {s['probe_peak_bytes']} bytes "
+          f"({s['probe_peak_bytes_per_param']:.1f} per parameter); "
           f"left on FSDP objects after a step: {s['left_after_step'] or 'nothing'}")
 
 
@@ -473,9 +478,13 @@ def main() -> int:
                     res = launch(case, variant, 1, args.steps, env, args.timeout)
                     base = merged.setdefault("result", {**res, "variants": {}})
                     if variant == "patched":
-                        base.update(applied=res["applied"], probe_peak=res["probe_peak"], wrapper_cost=res["wrapper_cost"])
+                        base.update(
+                            applied=res["applied"], probe_peak=res["probe_peak"], wrapper_cost=res["wrapper_cost"]
+                        )
                     got = res["variants"][variant]
-                    have = base["variants"].setdefault(variant, {"times": [], "calls": {}, "steps_counted": 0, "leftover": []})
+                    have = base["variants"].setdefault(
+                        variant, {"times": [], "calls": {}, "steps_counted": 0, "leftover": []}
+                    )
                     have["times"] += got["times"]
                     have.setdefault("block_medians", []).extend(got.get("block_medians", []))
                     have["steps_counted"] += got["steps_counted"]

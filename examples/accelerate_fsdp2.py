@@ -42,15 +42,14 @@ import os
 import sys
 from datetime import timedelta
 
+import accelerate
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-import accelerate
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import InitProcessGroupKwargs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 N_EXPERTS = 3  # expert 2 is routed no token by any rank
 STEPS, MICRO_BATCHES = 3, 2

@@ -32,7 +32,10 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-SHORT = {"applied": "applied", "not_needed": "not needed", "disabled": "disabled", "unsupported": "UNSUPPORTED", "failed": "FAILED"}
+SHORT = {
+    "applied": "applied", "not_needed": "not needed", "disabled": "disabled", "unsupported": "UNSUPPORTED",
+    "failed": "FAILED",
+}
 
 
 def status_cell(result: dict, patch: str) -> str:
@@ -52,8 +55,12 @@ def bug_cell(result: dict, bug: str) -> str:
     if not cell:
         return "not observed"
     off = "; ".join(cell.get("off", ["—"]))
-    mark = "" if "expected_off" not in cell else (" ✓" if off.startswith(cell["expected_off"]) else f" ✗ (expected {cell['expected_off']})")
-    on = "correct" if cell.get("on") and all(o.startswith("correct") for o in cell["on"]) else "; ".join(cell.get("on", ["—"]))
+    if "expected_off" not in cell:
+        mark = ""
+    else:
+        mark = " ✓" if off.startswith(cell["expected_off"]) else f" ✗ (expected {cell['expected_off']})"
+    all_correct = cell.get("on") and all(o.startswith("correct") for o in cell["on"])
+    on = "correct" if all_correct else "; ".join(cell.get("on", ["—"]))
     return f"off: {off}{mark}<br>on: {on}"
 
 
@@ -120,7 +127,8 @@ def python_markdown(results: list[dict]) -> str:
     for r in sorted(results, key=lambda r: (_version_key(row_python(r)), EXPECTED.release_of(r["release"]))):
         reg, tests = r.get("registry", {}), r.get("tests")
         registry = "install failed" if not r["install"]["ok"] else ("matches" if reg.get("ok") else "**MISMATCH**")
-        counts = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else "— (structural checks only)"
+        no_tests = "— (structural checks only)"
+        counts = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else no_tests
         test_s = reg.get("seconds", 0) + (tests["seconds"] if tests else 0)
         lines.append(
             f"| {row_python(r)} | {reg.get('torch', r['release'])} | {registry} | {counts} | "

@@ -71,7 +71,9 @@ ACTIVATION_PROBE = textwrap.dedent("""
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PYTHONWARNINGS")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_") and k not in drop}
-    env.update(CUDA_VISIBLE_DEVICES="", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        CUDA_VISIBLE_DEVICES="", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", PYTHONDONTWRITEBYTECODE="1"
+    )
     env.update(extra or {})
     return env
 
@@ -131,7 +133,8 @@ def check_activation(venv_python: Path, scratch: Path) -> tuple[bool, str]:
         path = stand_in / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    result = run([venv_python, "-c", ACTIVATION_PROBE], timeout=120, env=child_env({"PYTHONPATH": str(stand_in)}), cwd=scratch)
+    env = child_env({"PYTHONPATH": str(stand_in)})
+    result = run([venv_python, "-c", ACTIVATION_PROBE], timeout=120, env=env, cwd=scratch)
     if result.returncode != 0 or result.stderr:
         return False, f"exit {result.returncode}, stderr:\n{result.stderr.strip()}"
     data = json.loads(result.stdout)
@@ -169,8 +172,9 @@ def check_interpreter(spec: str, wheel: Path, work: Path) -> dict:
         result["steps"].append((f"refused ({requires_python()})", ok, detail))
         return {**result, "ok": ok, "seconds": round(time.monotonic() - started)}
     installed = run([venv_python, "-m", "pip", "install", "-q", wheel, *TOOLS], timeout=900)
-    result["steps"].append(("install", installed.returncode == 0, "wheel + pytest" if installed.returncode == 0 else tail(installed)))
-    if installed.returncode == 0:
+    installed_ok = installed.returncode == 0
+    result["steps"].append(("install", installed_ok, "wheel + pytest" if installed_ok else tail(installed)))
+    if installed_ok:
         for name, check in (("unit tests", check_unit_tests), ("auto-activation", check_activation)):
             step_started = time.monotonic()
             ok, detail = check(venv_python, scratch)
@@ -181,7 +185,9 @@ def check_interpreter(spec: str, wheel: Path, work: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--python", nargs="+", default=list(PYTHONS), help="versions (3.12) or paths (default: %(default)s)")
+    parser.add_argument(
+        "--python", nargs="+", default=list(PYTHONS), help="versions (3.12) or paths (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="fsdp-interpreters-") as tmp:
@@ -190,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.python:
             result = check_interpreter(spec, wheel, work)
             results.append(result)
-            print(f"== Python {result['python']}: {'ok' if result['ok'] else 'FAILED'} ({result['seconds']} s)", flush=True)
+            verdict = "ok" if result["ok"] else "FAILED"
+            print(f"== Python {result['python']}: {verdict} ({result['seconds']} s)", flush=True)
             for name, ok, detail in result["steps"]:
                 print(f"   {'ok ' if ok else 'BAD'} {name}: {detail}", flush=True)
     passed = sum(r["ok"] for r in results)

@@ -53,7 +53,8 @@ from _pythons import python_version, resolve_python
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
-TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy", "expecttest")  # expecttest: torch.testing._internal needs it
+# expecttest: torch.testing._internal needs it
+TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy", "expecttest")
 INSTALL_TIMEOUT = 45 * 60
 REGISTRY_TIMEOUT = 10 * 60
 TESTS_TIMEOUT = 60 * 60
@@ -103,7 +104,9 @@ def tree_size_mb(path: Path) -> int:
 
 def build_wheel(dest: Path, log_file: Path) -> Path:
     log("building the wheel")
-    code = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dest, ROOT], log_file=log_file, timeout=600)
+    code = run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dest, ROOT], log_file=log_file, timeout=600
+    )
     wheels = sorted(dest.glob("fsdp_autopatch-*.whl"))
     if code != 0 or not wheels:
         sys.exit(f"wheel build failed, see {log_file}")
@@ -132,8 +135,10 @@ def install(release: str, venv: Path, wheel: Path, logs: Path, python: str) -> d
     code = run([python, "-m", "venv", venv], log_file=log_file, timeout=300)
     if code == 0:
         pip = [venv / "bin" / "python", "-m", "pip", "install", "-q"]
-        code = run([*pip, f"torch=={release}.*", wheel, *TEST_PACKAGES], log_file=log_file, timeout=INSTALL_TIMEOUT, env=pip_env())
-    return {"ok": code == 0, "seconds": round(time.monotonic() - started), "venv_mb": tree_size_mb(venv) if venv.exists() else 0}
+        packages = [f"torch=={release}.*", wheel, *TEST_PACKAGES]
+        code = run([*pip, *packages], log_file=log_file, timeout=INSTALL_TIMEOUT, env=pip_env())
+    venv_mb = tree_size_mb(venv) if venv.exists() else 0
+    return {"ok": code == 0, "seconds": round(time.monotonic() - started), "venv_mb": venv_mb}
 
 
 def check_registry(release: str, venv: Path, logs: Path, scratch: Path) -> dict:
@@ -178,7 +183,8 @@ def junit_summary(path: Path) -> dict:
         problem = case.find("failure") if case.find("failure") is not None else case.find("error")
         if problem is not None:
             counts["failed"] += 1
-            failures.append(f"{test_id}: {(problem.get('message') or '').splitlines()[0][:300] if problem.get('message') else ''}")
+            first_line = problem.get("message").splitlines()[0][:300] if problem.get("message") else ""
+            failures.append(f"{test_id}: {first_line}")
         elif case.find("skipped") is not None:
             counts["skipped"] += 1
         else:
@@ -193,8 +199,8 @@ def run_tests(release: str, venv: Path, logs: Path, scratch: Path) -> dict:
     started = time.monotonic()
     code = run(
         # the torchrun launcher tests are left to CI: ~2 minutes each release, no release-specific code
-        [venv / "bin" / "python", "-m", "pytest", "tests/unit", "tests/distributed", "-m", "not launcher", "-q", "-p", "no:cacheprovider",
-         f"--junitxml={junit}", "-o", "junit_logging=no"],
+        [venv / "bin" / "python", "-m", "pytest", "tests/unit", "tests/distributed", "-m", "not launcher",
+         "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-o", "junit_logging=no"],
         cwd=ROOT, env=test_env(record), log_file=logs / f"{release}-tests.log", timeout=TESTS_TIMEOUT,
     )
     observations = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
@@ -240,28 +246,39 @@ def test_release(release: str, venv: Path, installed: dict, logs: Path, scratch:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return found.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--releases", nargs="+", default=list(RELEASES), metavar="2.N", help="torch minor releases (default: all)")
-    parser.add_argument("--out", type=Path, default=ROOT / ".artifacts" / "matrix", help="results and logs (default: .artifacts/matrix)")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the throwaway venvs go (default: a temporary directory)")
+    parser.add_argument(
+        "--releases", nargs="+", default=list(RELEASES), metavar="2.N", help="torch minor releases (default: all)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / ".artifacts" / "matrix", help="results and logs (default: .artifacts/matrix)"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where the throwaway venvs go (default: a temporary directory)"
+    )
     parser.add_argument(
         "--python", default=sys.executable,
         help="the interpreter the venvs are made from: a version (3.12: pyenv's build) or a path (default: this one)",
     )
     parser.add_argument("--keep-venvs", action="store_true", help="do not delete each venv after its release")
-    parser.add_argument("--update-docs", action="store_true", help="rewrite the measured table in docs/compatibility.md")
+    parser.add_argument(
+        "--update-docs", action="store_true", help="rewrite the measured table in docs/compatibility.md"
+    )
     parser.add_argument(
         "--report-only", nargs="+", type=Path, metavar="MATRIX_JSON",
         help="run nothing: merge earlier matrix.json files (a later file's release replaces an earlier one's) "
         "and write the table, e.g. after re-running one release",
     )
-    parser.add_argument("--python-docs", action="store_true", help="with --report-only: rewrite the Python versions table")
+    parser.add_argument(
+        "--python-docs", action="store_true", help="with --report-only: rewrite the Python versions table"
+    )
     args = parser.parse_args(argv)
     if args.report_only:
         return report_only(args.report_only, args.out, args.update_docs, args.python_docs)

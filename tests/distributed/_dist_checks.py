@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterable
+from collections.abc import Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -188,10 +189,12 @@ def assert_grads_match(
             e = rel_err(g, r)
             assert e < BF16_REL, f"{n}: relative error {e:.3g} vs reference (bf16 tolerance {BF16_REL})"
         else:
-            torch.testing.assert_close(g, r, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(g, r, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def reference_model(kind: str, run: RunResult | None = None, params_key: str = "init_params", case: str | None = None, **kw: Any):
+def reference_model(
+    kind: str, run: RunResult | None = None, params_key: str = "init_params", case: str | None = None, **kw: Any
+):
     """The single-process model; checks (or loads) the weights the ranks had."""
     model = sc.build_model(kind, **kw)
     if run is not None:

@@ -174,7 +174,9 @@ def _load(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def run_agents(jobs: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: Path | str | None = None) -> list[subprocess.CompletedProcess]:
+def run_agents(
+    jobs: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: Path | str | None = None
+) -> list[subprocess.CompletedProcess]:
     """Start launcher commands (torchrun, accelerate launch) at once and collect their output.
 
     Each starts its own session; on ``timeout`` (for all of them together) every session is

@@ -462,10 +462,11 @@ def _force_unused_param_backport() -> dict[str, Any]:
     is reverted, the backport applied, then the restore patch applied again on top, so
     its usage probe runs before the backport's zero fill as it would on torch 2.12.
     """
+    from torch.distributed.fsdp import FSDPModule
+
     import fsdp_autopatch.patches.restore_unused_param_grads as restore
     import fsdp_autopatch.patches.unused_param_reduction as upr
     from fsdp_autopatch import _activate, _patching
-    from torch.distributed.fsdp import FSDPModule
 
     info: dict[str, Any] = {"check": repr(_activate.verdict_of(upr.PATCH))}
     _patching.revert(restore.PATCH.name)
@@ -535,9 +536,7 @@ def sc_restore_unused(ctx: Ctx) -> None:
 
 def sc_no_change(ctx: Ctx) -> None:
     """Nothing unused; fp32, bf16/fp32 MP, and MP with the fill on: 2 AdamW steps."""
-    from torch.distributed.fsdp import fully_shard
-
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for name, mp_kind, fill in (("fp32", None, False), ("mp", "bf16", False), ("mp_fill", "bf16", True)):
         if fill and not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):

@@ -214,7 +214,6 @@ def _pipelining(ctx: sc.Ctx, rec: dict[str, Any], calls: list[int]) -> None:
     2.15: the stage uses manual finalization (``finalize_backward(async_op=True)`` + ``wait``).
     """
     import torch.distributed as dist
-
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     pp_groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank makes each group
@@ -226,7 +225,7 @@ def _pipelining(ctx: sc.Ctx, rec: dict[str, Any], calls: list[int]) -> None:
         use_spare = inputs[0]["use_spare"]
         model.zero_grad(set_to_none=True)
         original_forward = model.forward  # the schedule passes tensors only: bind use_spare
-        model.forward = lambda x, _f=original_forward: _f(x, use_spare)  # type: ignore[method-assign]
+        model.forward = lambda x, _f=original_forward, _u=use_spare: _f(x, _u)  # type: ignore[method-assign]
         stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=pp_groups[ctx.rank])
         schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=F.mse_loss, scale_grads=False)
         del calls[:]

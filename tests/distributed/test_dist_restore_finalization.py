@@ -40,7 +40,9 @@ CASES = [f"{path}/{kind}" for path in PATHS for kind in fin.MODELS] + ["pipelini
 
 @pytest.fixture(scope="module")
 def run():
-    result = run_ranks("finalization", script=SCRIPT, env={"FSDP_DIST_PG_TIMEOUT_S": PG_TIMEOUT_S}, timeout=OUTER_TIMEOUT_S)
+    result = run_ranks(
+        "finalization", script=SCRIPT, env={"FSDP_DIST_PG_TIMEOUT_S": PG_TIMEOUT_S}, timeout=OUTER_TIMEOUT_S
+    )
     result.assert_clean()
     ck.assert_registry(result, {"restore_unused_param_grads": "applied"})
     assert result[0].data["has_manual_finalization"] == HAS_MANUAL, "tests/expected.py is wrong about this torch"

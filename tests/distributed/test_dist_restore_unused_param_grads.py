@@ -55,7 +55,8 @@ def _unused_param_outcome(run) -> tuple[str, str]:
     for rank in run.ranks:
         rec = rank.cases["partial"]
         grads = [rec["grads"][n] for n in UNUSED]
-        if all(g is None for g in grads) and torch.equal(rec["params_after"][UNUSED[0]], rec["params_before"][UNUSED[0]]):
+        unchanged = torch.equal(rec["params_after"][UNUSED[0]], rec["params_before"][UNUSED[0]])
+        if all(g is None for g in grads) and unchanged:
             continue
         moved.append(float((rec["params_after"][UNUSED[0]] - rec["params_before"][UNUSED[0]]).abs().max()))
     if not moved:

@@ -63,7 +63,10 @@ def _unpatched_outcome(run) -> tuple[str, str]:
     late = [_is_dtype_assertion(ck.error_of(r, "late_param")) for r in run.ranks]
     fill = [_is_dtype_assertion(ck.error_of(r, "fill_zero")) for r in run.ranks]
     if all(late) and fill == [False, True]:
-        return ck.ex.REPRODUCES, "AssertionError 'expects uniform gradient dtype' (late param: every rank; fill zero: rank 1 only, rank 0 loses its peer)"
+        return ck.ex.REPRODUCES, (
+            "AssertionError 'expects uniform gradient dtype' "
+            "(late param: every rank; fill zero: rank 1 only, rank 0 loses its peer)"
+        )
     if not any(late) and not any(fill):
         return ck.ex.FIXED, "no assertion, fp32 gradients equal the reference"
     return "other", f"dtype assertion on late_param ranks {late}, fill_zero ranks {fill}"
@@ -87,7 +90,9 @@ def test_unpatched(unpatched):
     assert err0["type"] in ("RuntimeError", "DistBackendError"), err0
 
 
-@pytest.mark.parametrize("case,plan", [("late_param", sc.plan_uniform_late_param), ("fill_zero", sc.plan_uniform_fill_zero)])
+@pytest.mark.parametrize(
+    "case,plan", [("late_param", sc.plan_uniform_late_param), ("fill_zero", sc.plan_uniform_fill_zero)]
+)
 def test_patched_grads_fp32_and_correct(patched, case, plan):
     if case == "late_param":  # registry check once per run
         ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})

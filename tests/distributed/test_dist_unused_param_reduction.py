@@ -124,7 +124,8 @@ def test_flag_off_uneven_sizes_abort(native_then_flag_off):
     for rank in aborted:
         assert rank.returncode is not None and rank.returncode < 0, run.describe()  # SIGABRT
         assert any(
-            m in rank.stderr_tail for m in ("Received data size doesn't match expected size", "op.preamble.length <= op.nbytes")
+            m in rank.stderr_tail
+            for m in ("Received data size doesn't match expected size", "op.preamble.length <= op.nbytes")
         ), rank.stderr_tail
     for rank in run.ranks:
         rec = rank.cases.get("flag_off_uneven")
@@ -140,9 +141,14 @@ def test_unpatched(unpatched, reference):
     """Before 2.13 the method does not exist without the backport; from 2.13 torch's own works."""
     assert not unpatched.timed_out, unpatched.describe()
     errors = [ck.error_of(rank, "native") for rank in unpatched.ranks]
-    if all(e is not None and e["type"] == "AttributeError" and "set_reduce_scatter_unused_params" in e["message"] for e in errors):
+    if all(
+        e is not None and e["type"] == "AttributeError" and "set_reduce_scatter_unused_params" in e["message"]
+        for e in errors
+    ):
         outcome = ck.ex.REPRODUCES
-        detail = "no set_reduce_scatter_unused_params (AttributeError); without the fill, expert gradients mix across ranks"
+        detail = (
+            "no set_reduce_scatter_unused_params (AttributeError); without the fill, expert gradients mix across ranks"
+        )
     elif not any(errors):
         outcome, detail = ck.ex.FIXED, "torch's own set_reduce_scatter_unused_params: gradients equal the reference"
     else:

@@ -16,8 +16,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import pytest
 
@@ -62,7 +62,8 @@ def statuses_with(**changes: str) -> dict[str, str]:
     applied restore_unused_param_grads has nothing to undo (``not_needed``) unless told otherwise."""
     result = {**ex.expected_status(TORCH_RELEASE), **changes}
     fill_missing = not NATIVE_UNUSED_PARAM_API and result["unused_param_reduction"] != "applied"
-    if fill_missing and "restore_unused_param_grads" not in changes and result["restore_unused_param_grads"] == "applied":
+    restore_applied = result["restore_unused_param_grads"] == "applied"
+    if fill_missing and "restore_unused_param_grads" not in changes and restore_applied:
         result["restore_unused_param_grads"] = "not_needed"
     return result
 
@@ -210,7 +211,7 @@ class Venv:
         self.installed = False
 
     @classmethod
-    def create(cls, path: Path) -> "Venv":
+    def create(cls, path: Path) -> Venv:
         run([base_python(), "-m", "venv", path], timeout=T_VENV, check=True)
         return cls(path)
 

@@ -10,13 +10,15 @@ import json
 from pathlib import Path
 
 import pytest
+
 from _install_support import PATCH_NAMES, T_PY, T_TORCH, Venv, base_python, clean_env, describe, run
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]  # includes building the venvs
 
 
 def doctor(python, *flags: str, env: dict | None = None, timeout: float = T_TORCH, cwd=None) -> tuple[int, dict]:
-    result = run([python, *flags, "-m", "fsdp_autopatch", "doctor", "--json"], env=clean_env(env), timeout=timeout, cwd=cwd)
+    command = [python, *flags, "-m", "fsdp_autopatch", "doctor", "--json"]
+    result = run(command, env=clean_env(env), timeout=timeout, cwd=cwd)
     assert result.returncode in (0, 1), describe(result)
     # the findings carry everything: none of our warnings on stderr (torch may warn about numpy)
     assert "fsdp" not in result.stderr.lower() and "ConfigWarning" not in result.stderr, describe(result)
@@ -77,7 +79,9 @@ def test_malformed_and_misspelled_variables_are_named_but_still_protected(torch_
     assert code == 0, report  # safe defaults: every patch still on
     warnings = [f for f in by_check(report)["environment"] if f["level"] == "warning"]
     named = {w["action"] for w in warnings}
-    assert named == {"fix or unset FSDP_AUTOPATCH_STRICT", "fix or unset FSDP_AUTOPATCH_RESTORE_UNUSED_PARAMS_GRADS_ENABLED"}
+    assert named == {
+        "fix or unset FSDP_AUTOPATCH_STRICT", "fix or unset FSDP_AUTOPATCH_RESTORE_UNUSED_PARAMS_GRADS_ENABLED"
+    }
     assert any("FSDP_AUTOPATCH_RESTORE_UNUSED_PARAM_GRADS_ENABLED" in w["message"] for w in warnings)  # the suggestion
 
 

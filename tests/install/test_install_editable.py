@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from _install_support import (
     DEFAULT_STATUSES,
     T_PY,

@@ -1,4 +1,5 @@
-"""The real wheel and a real torch (FSDP_TEST_TORCH): one of our modules raising at import never breaks the user's import.
+"""The real wheel and a real torch (FSDP_TEST_TORCH): one of our modules raising at import never breaks the user's
+import.
 
 The installed file in the venv's site-packages gets a ``raise TypeError`` at its top (restored
 afterwards), as Python 3.9 raised for a ``str | None`` annotation inside the FSDP2 import hook. A
@@ -9,9 +10,9 @@ leave torch untouched by the patches that did not apply, and ``status``/``doctor
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+
 from _install_support import T_TORCH, Venv, describe, run, statuses_with
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(900)]
@@ -88,7 +89,10 @@ def test_the_hook_module_raising_fails_every_patch_and_doctor_names_it(torch_ven
     assert set(statuses(data["report"]).values()) == {"failed"}
     assert data["foreach_reduce_wrapped"] is False
     assert doctor.returncode == 1, describe(doctor)
-    assert f"[problem] hook: fsdp-autopatch's own code raised in the FSDP2 import hook ({module}: TypeError: {INJECTED})" in doctor.stdout
+    problem = (
+        f"[problem] hook: fsdp-autopatch's own code raised in the FSDP2 import hook ({module}: TypeError: {INJECTED})"
+    )
+    assert problem in doctor.stdout
 
 
 @pytest.mark.parametrize("module", ["fsdp_autopatch._config", "fsdp_autopatch._registry"])

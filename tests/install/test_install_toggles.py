@@ -9,10 +9,12 @@ module (``runs``) and the tests below only check the results.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import pytest
+
 from _install_support import (
     DEFAULT_STATUSES,
     PATCH_NAMES,

@@ -1,4 +1,5 @@
-"""The wheel in a fresh venv with torch (FSDP_TEST_TORCH, 2.13 by default): activation through the .pth, start-up cost, the CLI.
+"""The wheel in a fresh venv with torch (FSDP_TEST_TORCH, 2.13 by default): activation through the .pth, start-up
+cost, the CLI.
 
 The user programs below never import fsdp_autopatch: they import torch's FSDP2 and then read the
 already-loaded plugin from ``sys.modules``.
@@ -10,6 +11,7 @@ import json
 import re
 
 import pytest
+
 from _install_support import (
     DEFAULT_STATUSES,
     PATCH_NAMES,
@@ -215,7 +217,8 @@ def test_cli_status_json(torch_venv: Venv, wheel) -> None:
     assert report["bootstrap"] == "pth"
     assert [p["name"] for p in report["patches"]] == list(PATCH_NAMES)
     for patch in report["patches"]:
-        assert set(patch) == {"name", "status", "reason", "env", "decided_by", "variable", "value", "fired", "provider"}, patch
+        fields = {"name", "status", "reason", "env", "decided_by", "variable", "value", "fired", "provider"}
+        assert set(patch) == fields, patch
         assert patch["fired"] == 0, patch  # `status` trains nothing: no patch had to act
         assert patch["env"] == f"FSDP_AUTOPATCH_{patch['name'].upper()}_ENABLED"
         # every release the tests run on is a measured one: the version range and the structure both decided

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from _install_support import PATCH_NAMES, T_PY, Venv, describe, json_from, run
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(900)]  # includes building the wheel

@@ -175,8 +175,9 @@ def recording_set_sync(self, requires_gradient_sync, **kwargs):  # instrumentati
     return set_sync(self, requires_gradient_sync, **kwargs)
 FSDPModule.set_requires_gradient_sync = recording_set_sync
 plan = {"model.vision_tower.encoder": "free_full_weight", "model.language_model.layers.*": "free_full_weight"}
-model = LlavaForConditionalGeneration.from_pretrained(os.environ["TINY_MODEL_DIR"], distributed_config=DistributedConfig(
-    fsdp_size=2, fsdp_mixed_precision=True, fsdp_plan=plan))
+distributed_config = DistributedConfig(fsdp_size=2, fsdp_mixed_precision=True, fsdp_plan=plan)
+model = LlavaForConditionalGeneration.from_pretrained(
+    os.environ["TINY_MODEL_DIR"], distributed_config=distributed_config)
 watch = Watch(model.model.vision_tower.encoder)
 trainer, args = train(model, InOrderTrainer, [watch])
 load_time_path = {

@@ -76,10 +76,8 @@ def run_ranks(store, prints: dict[int, dict[str, str]], ranks=None):
     """Each rank of ``prints`` runs the protocol for one group in a thread."""
     ranks = ranks or sorted(prints)
     prefix = "fsdp_autopatch/cross_rank_check/0"
-    return run_threads({
-        rank: functools.partial(_consistency._compare_all, [_consistency._Comparison(store, prefix, rank, ranks, prints[rank])])
-        for rank in prints
-    })
+    comparisons = {rank: [_consistency._Comparison(store, prefix, rank, ranks, prints[rank])] for rank in prints}
+    return run_threads({rank: functools.partial(_consistency._compare_all, comparisons[rank]) for rank in prints})
 
 
 def test_equal_fingerprints_pass_with_a_constant_number_of_store_calls_per_rank():
@@ -189,7 +187,9 @@ def test_the_check_is_on_by_default_and_can_be_switched_off(value, expected):
 class StoreWithout(FakeStore):
     """A store whose ``operations`` raise as c10d's base ``Store`` does (``FakeStore`` of fake_pg)."""
 
-    def __init__(self, *operations: str, error: str = "Tried to call pure virtual function \"::c10d::Store::add\"") -> None:
+    def __init__(
+        self, *operations: str, error: str = "Tried to call pure virtual function \"::c10d::Store::add\""
+    ) -> None:
         super().__init__(timeout=30.0)
         for operation in operations:
             setattr(self, operation, functools.partial(self._raise, error))

@@ -29,7 +29,6 @@ def test_generated_blocks_match_the_declarations():
 
 def test_the_oracle_lists_the_catalogues_patches_in_order():
     import expected
-
     from fsdp_autopatch.patches import FIXES
 
     assert tuple(expected.PATCHES) == FIXES

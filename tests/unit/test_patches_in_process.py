@@ -2,8 +2,8 @@
 
 import pytest
 
-torch = pytest.importorskip("torch")
-import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if the .pth is active)
+pytest.importorskip("torch")
+import torch.distributed.fsdp  # noqa: E402  (fires the post-import hook if the .pth is active)
 
 import fsdp_autopatch  # noqa: E402
 from fsdp_autopatch import _activate, _compat, _patching  # noqa: E402
