@@ -22,6 +22,7 @@ import argparse
 import difflib
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,9 +74,20 @@ def toggle_rows() -> str:
     )
 
 
+LINE_LENGTH = 120  # pyproject.toml [tool.ruff] line-length: the docstring list is source code too
+
+
 def init_list() -> str:
     width = max(len(name) for name in patches.FIXES) + 4
-    return "\n".join(f"* {('``' + patch.name + '``').ljust(width)} – {patch.summary}." for patch in _fixes())
+    items = []
+    for patch in _fixes():
+        bullet = f"* {('``' + patch.name + '``').ljust(width)} – "
+        # continuation lines start under the summary's first word (reST list item)
+        items.append(textwrap.fill(
+            f"{patch.summary}.", width=LINE_LENGTH, initial_indent=bullet, subsequent_indent=" " * len(bullet),
+            break_long_words=False, break_on_hyphens=False,
+        ))
+    return "\n".join(items)
 
 
 # file -> [(block name, generator, comment style)]

@@ -8,7 +8,8 @@ switchable by an environment variable, and a registry records what happened:
 .. generated: patches
 * ``accumulated_grad_guard``     – a unit that never ran forward does not crash post-backward.
 * ``unused_param_reduction``     – `FSDPModule.set_reduce_scatter_unused_params` on torch < 2.13.
-* ``uniform_reduce_dtype``       – mixed-precision gradient accumulation does not trip "FSDP reduce-scatter expects uniform gradient dtype".
+* ``uniform_reduce_dtype``       – mixed-precision gradient accumulation does not trip "FSDP reduce-scatter expects
+                                   uniform gradient dtype".
 * ``restore_unused_param_grads`` – a parameter that no rank used keeps `grad is None`.
 .. end generated
 
@@ -61,6 +62,13 @@ _LAZY = {
 }
 
 
+# No `typing` import at run time (``import fsdp_autopatch`` loads this one module): the names the
+# annotations use are imported for type checkers only, and the annotations are strings.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._registry import StatusReport
+
+
 def install() -> None:
     """Make sure the patches are (or will be) applied in this process; idempotent, never raises.
 
@@ -73,7 +81,7 @@ def install() -> None:
     _fsdp_autopatch_bootstrap.install("explicit")
 
 
-def status():
+def status() -> "StatusReport":
     """A :class:`StatusReport`: per patch its name, status, reason and the variable that toggles it,
     plus torch's version and whether the bootstrap ran in this process."""
     from ._registry import REGISTRY
@@ -81,7 +89,7 @@ def status():
     return REGISTRY.snapshot()
 
 
-def applied() -> tuple:
+def applied() -> "tuple[str, ...]":
     """Names of the patches applied in this process, in application order."""
     from ._registry import PatchStatus
 
