@@ -71,7 +71,10 @@ def test_hook_waits_for_torch_then_reports_unsupported_internals(fake_torch):
 
 
 def test_kill_switch_at_start_arms_nothing(fake_torch):
-    result = run(PROGRAM.replace("import torch.distributed.fsdp", "import torch.distributed.fsdp\n    assert 'wrapt' not in sys.modules"), fake_torch, FSDP_AUTOPATCH_ENABLED="0")
+    program = PROGRAM.replace(
+        "import torch.distributed.fsdp", "import torch.distributed.fsdp\n    assert 'wrapt' not in sys.modules"
+    )
+    result = run(program, fake_torch, FSDP_AUTOPATCH_ENABLED="0")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)["report"]
     assert {p["status"] for p in report["patches"]} == {"disabled"}

@@ -209,7 +209,9 @@ ENV_CASES = {
     "patch-spaces": ({V("uniform_reduce_dtype"): "  "}, set(), []),
     "patch-two-words": ({V("uniform_reduce_dtype"): "1 0"}, set(), [V("uniform_reduce_dtype")]),
     "patch-unicode": ({V("restore_unused_param_grads"): "n\u00f6"}, set(), [V("restore_unused_param_grads")]),
-    "patch-long-padded-off": ({V("restore_unused_param_grads"): " " * 50_000 + "off"}, {"restore_unused_param_grads"}, []),
+    "patch-long-padded-off": (
+        {V("restore_unused_param_grads"): " " * 50_000 + "off"}, {"restore_unused_param_grads"}, []
+    ),
     "list-empty": ({"FSDP_AUTOPATCH_DISABLED": ""}, set(), []),
     "list-only-commas": ({"FSDP_AUTOPATCH_DISABLED": " , ,, "}, set(), []),
     "list-mixed-case-spaces": ({"FSDP_AUTOPATCH_DISABLED": "  Uniform_Reduce_DTYPE ,"}, {"uniform_reduce_dtype"}, []),
@@ -222,9 +224,21 @@ ENV_CASES = {
         set(),
         ["FSDP_AUTOPATCH_DISABLED"],
     ),
-    "list-unicode-name": ({"FSDP_AUTOPATCH_DISABLED": "\u00fcnused,uniform_reduce_dtype"}, {"uniform_reduce_dtype"}, ["FSDP_AUTOPATCH_DISABLED"]),
-    "list-very-long": ({"FSDP_AUTOPATCH_DISABLED": "uniform_reduce_dtype," + LONG}, {"uniform_reduce_dtype"}, ["FSDP_AUTOPATCH_DISABLED"]),
-    "list-not-utf8": ({"FSDP_AUTOPATCH_DISABLED": b"\xff,accumulated_grad_guard"}, {"accumulated_grad_guard"}, ["FSDP_AUTOPATCH_DISABLED"]),
+    "list-unicode-name": (
+        {"FSDP_AUTOPATCH_DISABLED": "\u00fcnused,uniform_reduce_dtype"},
+        {"uniform_reduce_dtype"},
+        ["FSDP_AUTOPATCH_DISABLED"],
+    ),
+    "list-very-long": (
+        {"FSDP_AUTOPATCH_DISABLED": "uniform_reduce_dtype," + LONG},
+        {"uniform_reduce_dtype"},
+        ["FSDP_AUTOPATCH_DISABLED"],
+    ),
+    "list-not-utf8": (
+        {"FSDP_AUTOPATCH_DISABLED": b"\xff,accumulated_grad_guard"},
+        {"accumulated_grad_guard"},
+        ["FSDP_AUTOPATCH_DISABLED"],
+    ),
     "unknown-variable": ({"FSDP_AUTOPATCH_ENABLE": "0"}, set(), ["FSDP_AUTOPATCH_ENABLE"]),
     "unknown-variable-very-long": ({"FSDP_AUTOPATCH_" + "Y" * 5_000: "1"}, set(), ["FSDP_AUTOPATCH_" + "Y" * 5_000]),
     "lowercase-variable-name": ({"fsdp_autopatch_enabled": "0"}, set(), []),  # names are case-sensitive
@@ -232,7 +246,9 @@ ENV_CASES = {
     "strict-on-with-unsupported": ({"FSDP_AUTOPATCH_STRICT": " TRUE "}, set(), []),  # unsupported never raises
     "log-level-unknown": ({"FSDP_AUTOPATCH_LOG_LEVEL": "verbose"}, set(), ["FSDP_AUTOPATCH_LOG_LEVEL"]),
     "policy-mixed-case": ({"FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS": "Yes"}, set(), []),
-    "policy-garbage": ({"FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS": "y e s"}, set(), ["FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS"]),
+    "policy-garbage": (
+        {"FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS": "y e s"}, set(), ["FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS"]
+    ),
     "everything-at-once": (
         {
             "FSDP_AUTOPATCH_ENABLED": "maybe",
@@ -317,7 +333,9 @@ def test_code_in_environment_values_is_never_executed(fake_torch, tmp_path):
 
 BROKEN_WRAPT = {
     # id -> (wrapt/__init__.py, the reason the registry must give)
-    "raises-on-import": ("raise RuntimeError('wrapt is broken')\n", "wrapt could not be imported (RuntimeError: wrapt is broken)"),
+    "raises-on-import": (
+        "raise RuntimeError('wrapt is broken')\n", "wrapt could not be imported (RuntimeError: wrapt is broken)"
+    ),
     "no-hook-api": ("__version__ = '0.0'\n", "wrapt could not register the import hook (AttributeError:"),
     "hook-api-raises": (
         "def register_post_import_hook(hook, name):\n    raise OSError('read-only registry')\n",
@@ -371,7 +389,8 @@ def test_policy_on_different_internals_raises_under_strict(fake_torch):
         "try:\n        import torch.distributed.fsdp\n        error = None\n"
         "    except Exception as e:\n        error = type(e).__name__\n    print(error)\n",
     )
-    result = run_child(code, path=[fake_torch], env={"FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS": "1", "FSDP_AUTOPATCH_STRICT": "1"})
+    env = {"FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS": "1", "FSDP_AUTOPATCH_STRICT": "1"}
+    result = run_child(code, path=[fake_torch], env=env)
     assert result.returncode == 0 and result.stderr == "", describe(result)
     error, report_line = result.stdout.splitlines()
     assert error != "None"

@@ -13,7 +13,6 @@ interpreter against the stand-in torch:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -88,7 +87,10 @@ def run_user_program(src, fake):
 
 
 def run_cli(src, fake, *args):
-    code = f"import sys; sys.path[:0] = [{str(fake)!r}, {str(src)!r}]; from fsdp_autopatch.__main__ import main; sys.exit(main({list(args)!r}))"
+    code = (
+        f"import sys; sys.path[:0] = [{str(fake)!r}, {str(src)!r}]; "
+        f"from fsdp_autopatch.__main__ import main; sys.exit(main({list(args)!r}))"
+    )
     return run_child(code, path=[fake, src])
 
 
