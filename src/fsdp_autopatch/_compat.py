@@ -53,7 +53,9 @@ def decide(structural: Verdict, version: Version | None, affected: SpecifierSet,
     known = f"{bug}: torch {range_text(affected)}"
     if has_bug == (structural.status == "needed"):
         return Verdict(
-            structural.status, f"{where}: {structural.reason}; the version range agrees ({known})", VERSION_AND_STRUCTURE
+            structural.status,
+            f"{where}: {structural.reason}; the version range agrees ({known})",
+            VERSION_AND_STRUCTURE,
         )
     if structural.status == "needed":
         return Verdict("needed", f"{where}: {structural.reason}, outside the version range ({known})", STRUCTURE)

@@ -11,13 +11,16 @@ Precedence for one patch: ``FSDP_AUTOPATCH_ENABLED`` (kill switch) > ``FSDP_AUTO
 import os
 import sys
 
+from .patches import PATCH_NAMES  # stdlib only: the catalogue's names, no patch code
+
 # The bootstrap imports this module at interpreter start when FSDP_AUTOPATCH_ENABLED is set, where
-# it may load nothing outside this package: so no `typing` (TYPE_CHECKING is False at run time) and no `from __future__ import
-# annotations` (that statement imports the `__future__` module, ~0.3 ms and one more entry in
+# it may load nothing outside this package: so no `typing` (TYPE_CHECKING is False at run time) and
+# no `from __future__ import annotations` (that statement imports the `__future__` module, ~0.3 ms and one more entry in
 # sys.modules; bench/startup.py). Annotations that Python 3.9 cannot evaluate are strings instead.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Callable, Mapping
+    from collections.abc import Mapping
+    from typing import Callable
 
 PREFIX = "FSDP_AUTOPATCH_"
 KILL_SWITCH = "FSDP_AUTOPATCH_ENABLED"
@@ -28,7 +31,6 @@ REDUCE_SCATTER_UNUSED_PARAMS = "FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS"
 CROSS_RANK_CHECK = "FSDP_AUTOPATCH_CROSS_RANK_CHECK"
 THIRD_PARTY = "FSDP_AUTOPATCH_THIRD_PARTY"
 
-from .patches import PATCH_NAMES  # stdlib only: the catalogue's names, no patch code
 
 # Each policy's own switch (a policy keeps the variable users know; patches derive theirs).
 POLICY_VARIABLES = {

@@ -70,6 +70,7 @@ NAME = "cross_rank_check"
 _CHECKED = "_fsdp_autopatch_cross_rank_checked"  # FSDPState attribute: this root was checked
 _KEY_PREFIX = "fsdp_autopatch/cross_rank_check"
 _MAX_RANKS_SHOWN = 8
+_UNNAMED_DIFFERENCE = "their fingerprints differ (the store cannot return them to name the items)"
 
 ARMED = "once per process group at the root's first forward (FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 turns it off)"
 # Backends whose ranks cannot run a check of their own: "fake" simulates every rank but this one
@@ -250,7 +251,7 @@ def _compare_all(comparisons: list[_Comparison]) -> None:
         errors.append(RuntimeError(
             f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
             f"{_group_of(comparison)}, so they can issue different collectives: "
-            f"{describe_differences(peers) or 'their fingerprints differ (the store cannot return them to name the items)'}. "
+            f"{describe_differences(peers) or _UNNAMED_DIFFERENCE}. "
             "Give every rank the same FSDP_AUTOPATCH_* environment and the same torch, or set "
             "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
         ))
@@ -324,7 +325,9 @@ def _peers_if_different(c: _Comparison) -> dict[int, dict[str, str]] | None:
     if not isinstance(count, int) or not 1 <= count < len(c.ranks):
         # This rank's own digest counts 1, and no group has more ranks than it has: a store that
         # answers otherwise (a no-op store such as torch 2.15's C++ FakeStore) proves nothing.
-        raise _StoreCannot(f"the store cannot keep what is written (it counts {count!r} of {len(c.ranks)} ranks' digests)")
+        raise _StoreCannot(
+            f"the store cannot keep what is written (it counts {count!r} of {len(c.ranks)} ranks' digests)"
+        )
     try:  # the difference is proven; which items differ is what the fingerprints tell
         peers = {r: json.loads(c.store.get(f"{c.prefix}/fingerprint/{r}")) for r in c.ranks}
     except Exception:  # a store without get: the message cannot name the items

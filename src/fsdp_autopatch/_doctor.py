@@ -195,7 +195,8 @@ def _torch_and_patches() -> list[Finding]:
         )]
     error = _import_fsdp2()
     if error is not None:
-        return [Finding("torch", PROBLEM, f"torch {version}: {error}", "use torch >= 2.6 (FSDP2); see docs/compatibility.md")]
+        action = "use torch >= 2.6 (FSDP2); see docs/compatibility.md"
+        return [Finding("torch", PROBLEM, f"torch {version}: {error}", action)]
     findings = [Finding("torch", OK, f"torch {version}, FSDP2 at {HOOK_TARGET}")]
     if _process.hook_failure is not None:
         findings.append(Finding(
@@ -236,7 +237,8 @@ def _patch_finding_of_status(record: Any) -> Finding:
             "use a torch release from docs/compatibility.md, or report the torch build",
         )
     if status is PatchStatus.FAILED:
-        return Finding(record.name, PROBLEM, f"failed: {record.reason}", "report this with `fsdp-autopatch doctor --json`")
+        action = "report this with `fsdp-autopatch doctor --json`"
+        return Finding(record.name, PROBLEM, f"failed: {record.reason}", action)
     return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
 
 
@@ -282,7 +284,8 @@ def _import_fsdp2() -> str | None:
         return f"torch.distributed.fsdp cannot be imported ({type(error).__name__}: {error})"
     if HOOK_TARGET not in sys.modules:
         return f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)"
-    if all(r.status is PatchStatus.PENDING for r in REGISTRY.snapshot().patches) and _process.disabled_at_start() is None:
+    nothing_ran = all(r.status is PatchStatus.PENDING for r in REGISTRY.snapshot().patches)
+    if nothing_ran and _process.disabled_at_start() is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConfigWarning)
             # what the patches would do had the bootstrap run (the hook never raises, but strict)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Iterable
+from collections.abc import Iterable
+from typing import Any, Callable
 
 import wrapt
 
@@ -70,7 +71,9 @@ def import_sites(original: Any, attribute: str) -> list[Any]:
     return [
         module
         for name, module in list(sys.modules.items())
-        if (name == "torch" or name.startswith("torch.")) and module is not None and vars(module).get(attribute) is original
+        if (name == "torch" or name.startswith("torch."))
+        and module is not None
+        and vars(module).get(attribute) is original
     ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 from . import _process
 from ._config import KILL_SWITCH, patch_env_var
@@ -45,13 +45,13 @@ class PatchRecord:
     decided_by: str = ""
     # the environment variable that decided whether the patch was tried, and its value; None when
     # the default decided (the patch is on unless a variable says otherwise)
-    variable: Optional[str] = None
-    value: Optional[str] = None
+    variable: str | None = None
+    value: str | None = None
     # how many times, in this process, the patch changed what torch would have done (0: it never
     # had to; see each patch's docs for what counts as one)
     fired: int = 0
     # the distribution that declares it, "<name> <version>"; None for fsdp-autopatch's own patches
-    provider: Optional[str] = None
+    provider: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,7 +138,9 @@ class Registry:
             provider = self._records[name].provider if name in self._records else None
             self._records[name] = _Entry(status, reason, decided_by, variable, value, provider)
 
-    def add_external(self, name: str, provider: str, status: PatchStatus = PatchStatus.PENDING, reason: str = "") -> None:
+    def add_external(
+        self, name: str, provider: str, status: PatchStatus = PatchStatus.PENDING, reason: str = ""
+    ) -> None:
         """A record for a patch another distribution declares (kept until :meth:`reset`)."""
         with self._lock:
             if name not in self._records or status is not PatchStatus.PENDING:

@@ -21,7 +21,7 @@ Example (``patches/accumulated_grad_guard.py``)::
     )
 """
 
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional
 
 from ._config import patch_env_var as toggle_for
 
@@ -105,10 +105,10 @@ class Patch(NamedTuple):
     summary: str
     symptom: str
     trigger: str
-    upstream: Tuple[str, ...]
+    upstream: tuple[str, ...]
     affected: str
     check: Callable[[], Verdict]
-    targets: Tuple[Any, ...]
+    targets: tuple[Any, ...]
     changes: str
     kind: str = FIX
     variable: Optional[str] = None

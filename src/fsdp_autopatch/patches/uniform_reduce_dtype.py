@@ -97,7 +97,9 @@ def _uniform_dtype_reduce(wrapped, instance, args, kwargs):
 PATCH = Patch(
     name="uniform_reduce_dtype",
     summary='mixed-precision gradient accumulation does not trip "FSDP reduce-scatter expects uniform gradient dtype"',
-    symptom="AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16, torch.float32}",
+    symptom=(
+        "AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16, torch.float32}"
+    ),
     trigger="param_dtype != reduce_dtype, gradient accumulation, a parameter first used (or zero-filled) late",
     upstream=("PyTorch issue 196996", "PyTorch PR 160279", "NeMo Automodel PR 3540"),
     # foreach_reduce asserts one gradient dtype from FSDP2's start up to 2.14; 2.15 removed it.
