@@ -7,6 +7,10 @@ inherited from the pytest process are removed so a developer's shell cannot chan
 result). Each rank runs in its own session, so on the outer timeout the launcher kills
 each rank's whole process group: no rank and no grandchild survives a run.
 
+Starting, bounding and killing the ranks, the port retry and the output tails are the
+package's launcher (``fsdp_autopatch._launch``, shared with ``fsdp-autopatch demo``); this
+module adds what the tests need on top: the scenario script, its results and the summaries.
+
 A rank saves its measurements with ``torch.save`` into a per-run temporary directory;
 ``run_ranks`` loads them and returns them together with each rank's exit code and the
 tail of its stdout/stderr.
@@ -15,10 +19,7 @@ tail of its stdout/stderr.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_autopatch import _launch
+
 HERE = Path(__file__).resolve().parent
 SCENARIOS = HERE / "_dist_scenarios.py"
 
@@ -34,6 +37,12 @@ WORLD_SIZE = 2
 DEFAULT_TIMEOUT_S = 120.0  # outer timeout for the whole job (all ranks)
 PG_TIMEOUT_S = 30  # timeout of the gloo process group inside each rank
 _TAIL_CHARS = 4000
+# On top of the shared launcher's defaults, for every process a test starts.
+_TEST_DEFAULTS = {
+    "MKL_NUM_THREADS": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "FSDP_DIST_PG_TIMEOUT_S": str(PG_TIMEOUT_S),
+}
 
 
 def fsdp2_gloo_skip_reason() -> str | None:
@@ -53,9 +62,7 @@ def fsdp2_gloo_skip_reason() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _launch.free_port()
 
 
 @dataclass
@@ -126,40 +133,9 @@ class RunResult:
             raise AssertionError("; ".join(problems) + "\n" + self.describe())
 
 
-def _tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - _TAIL_CHARS))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    # Each rank is a session leader (start_new_session=True): its pgid is its pid.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def base_env(env: dict[str, str] | None) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_")}
-    for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        out.pop(k, None)
-    out.update(
-        MASTER_ADDR="127.0.0.1",
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONDONTWRITEBYTECODE="1",
-        FSDP_DIST_PG_TIMEOUT_S=str(PG_TIMEOUT_S),
-    )
-    out.update(env or {})
-    return out
+    """The environment of a process a test starts (a torchrun agent, a rank), before its rank."""
+    return _launch.job_environ({**_TEST_DEFAULTS, **(env or {})})
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -195,7 +171,7 @@ def run_agents(
                 out, err = agent.communicate(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 for a in agents:
-                    _kill_group(a)
+                    _launch.kill_group(a)
                 # every agent's output: the one that hangs is often not the one waited for
                 printed = [(a.args, *a.communicate()) for a in agents[len(results):]]
                 report = "\n".join(f"--- {args}\n{out}\n{err[-3000:]}" for args, out, err in printed)
@@ -203,7 +179,7 @@ def run_agents(
             results.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
     finally:
         for agent in agents:  # a rank or grandchild left behind by a finished agent
-            _kill_group(agent)
+            _launch.kill_group(agent)
     return results
 
 
@@ -226,16 +202,16 @@ def run_ranks(
     """
     args = dict(args or {})
     env = dict(env or {})
-    for attempt in range(2):
-        run = _run_once(scenario, args, env, world_size, timeout, Path(script), rank_env or {})
-        if attempt or run.timed_out or not any(_port_taken(r) for r in run.ranks):
-            return run
-    return run  # pragma: no cover
+    return _launch.retry_on_taken_port(
+        lambda port: _run_once(scenario, args, env, world_size, timeout, Path(script), rank_env or {}, port),
+        lambda run: not run.timed_out and any(_port_taken(r) for r in run.ranks),
+        # resolved at each call: a test replaces this module's free_port
+        port_source=lambda: free_port(),
+    )
 
 
 def _port_taken(rank: RankResult) -> bool:
-    text = (rank.stderr_tail + str(rank.error or "")).lower()
-    return "eaddrinuse" in text or "address already in use" in text
+    return _launch.port_taken(rank.stderr_tail + str(rank.error or ""))
 
 
 def _run_once(
@@ -246,73 +222,31 @@ def _run_once(
     timeout: float,
     script: Path,
     rank_env: dict[int, dict[str, str]],
+    port: int,
 ) -> RunResult:
     tmp = Path(tempfile.mkdtemp(prefix=f"fsdp_dist_{scenario}_"))
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-    files = []
-    start = time.monotonic()
-    timed_out = False
     try:
-        for rank in range(world_size):
-            env_of_rank = base_env({**env, **rank_env.get(rank, {})})
-            env_of_rank.update(
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-            )
-            out = open(tmp / f"rank{rank}.stdout", "wb")
-            err = open(tmp / f"rank{rank}.stderr", "wb")
-            files += [out, err]
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(script),
-                        scenario,
-                        str(tmp / f"rank{rank}.pt"),
-                        json.dumps(args),
-                    ],
-                    env=env_of_rank,
-                    cwd=str(tmp),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                )
-            )
-        deadline = start + timeout
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.05)
-    finally:
-        # Kill whatever is left (timeout, or an exception in the launcher itself) and
-        # also any grandchild that a finished rank left behind in its process group.
-        for p in procs:
-            _kill_group(p)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-                pass
-        for f in files:
-            f.close()
-    elapsed = time.monotonic() - start
-    try:
+        launch = _launch.launch(
+            lambda rank: [sys.executable, str(script), scenario, str(tmp / f"rank{rank}.pt"), json.dumps(args)],
+            world_size=world_size,
+            port=port,
+            logs=tmp,
+            timeout_s=timeout,
+            env={**_TEST_DEFAULTS, **env},
+            rank_env=rank_env,
+            cwd=tmp,
+            tail_chars=_TAIL_CHARS,
+        )
         ranks = [
             RankResult(
-                rank=rank,
-                # None: killed by the launcher on timeout (it was still running)
-                returncode=None if timed_out and p.returncode == -signal.SIGKILL else p.returncode,
-                stdout_tail=_tail(tmp / f"rank{rank}.stdout"),
-                stderr_tail=_tail(tmp / f"rank{rank}.stderr"),
-                data=_load(tmp / f"rank{rank}.pt"),
+                rank=r.rank,
+                returncode=None if r.killed else r.returncode,  # None: killed on timeout
+                stdout_tail=r.stdout,
+                stderr_tail=r.stderr,
+                data=_load(tmp / f"rank{r.rank}.pt"),
             )
-            for rank, p in enumerate(procs)
+            for r in launch.ranks
         ]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return RunResult(scenario, args, env, ranks, timed_out, elapsed)
+    return RunResult(scenario, args, env, ranks, launch.timed_out, launch.elapsed_s)
