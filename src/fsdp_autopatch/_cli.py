@@ -16,9 +16,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
-        from . import _demo
+        from . import demo
 
-        return _demo.main(rest)
+        return demo.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in (None, "status"):

@@ -1,4 +1,4 @@
-"""The shared rank launcher (``_launch``) on torch-free ranks.
+"""The shared rank launcher (``_launch``) on torch-free ranks, and the demo package's import contract.
 
 The launcher's timeout and port retry through ``tests/distributed/_dist_launcher.run_ranks`` are in
 ``tests/distributed/test_dist_launcher.py``; here: what only the demo uses (the grace after a
@@ -8,6 +8,7 @@ failed rank, merged output, a kept variable) and the environment every rank gets
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -89,3 +90,19 @@ def test_a_taken_port_is_retried_on_a_new_one_until_the_attempts_run_out():
                                        port_source=lambda: next(ports)).endswith("in use")
     assert seen == [2001, 2002]
 
+
+def test_the_demo_imports_without_torch_and_its_cli_is_unchanged():
+    code = (
+        "import sys, fsdp_autopatch.demo, fsdp_autopatch._launch\n"
+        "print('torch' in sys.modules, 'fsdp_autopatch.demo._worker' in sys.modules)"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert probe.stdout.split() == ["False", "False"], probe.stderr
+    helps = [
+        subprocess.run([sys.executable, "-m", *module, "--help"], capture_output=True, text=True,
+                       timeout=60)
+        for module in (["fsdp_autopatch", "demo"], ["fsdp_autopatch.demo"])
+    ]
+    for result in helps:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("usage: fsdp-autopatch demo [-h] [--without-patches] [--timeout TIMEOUT]")

@@ -1,0 +1,240 @@
+"""The rank side of the demo: one rank of a sub-run, started by the parent as
+``python -m fsdp_autopatch.demo --worker --scenario <key> --rank <r> --out <dir> --deadline <s>``.
+
+The rank trains, rank 0 checks the invariants, and every rank writes ``<dir>/rank<r>.json`` (its
+result or its error) and keeps ``<dir>/rank<r>.where`` up to date, so that the parent can say
+where a rank was when it had to kill it. torch is imported inside functions only, after the
+patches are installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ._checks import check_gradients, check_loss, check_unused_expert
+from ._model import (
+    LR,
+    MICRO_BATCHES,
+    STEPS,
+    WEIGHT_DECAY,
+    WORLD_SIZE,
+    build_model,
+    loss_fn,
+    make_micro_batch,
+)
+from ._scenarios import PG_TIMEOUT_S, SCENARIOS, Scenario
+
+
+class Progress:
+    """Where the rank is, e.g. 'step 1, micro-batch 1/3 (text-only) backward'.
+
+    Kept in memory for exception reports and mirrored to a file, so that the parent can still say
+    where a rank was stuck when it has to kill it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.at("startup")
+
+    def at(self, where: str) -> None:
+        self.where = where
+        self.path.write_text(where)
+
+
+def _start_watchdogs(deadline_s: float) -> None:
+    """Exit if the demo's parent dies or the run overstays its budget: never leave an orphan."""
+    parent = os.getppid()
+    started = time.monotonic()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent or time.monotonic() - started > deadline_s:
+                os._exit(4)
+
+    threading.Thread(target=watch, name="demo-watchdog", daemon=True).start()
+
+
+def _registry_snapshot() -> dict[str, Any]:
+    """fsdp_autopatch.status() as JSON, after torch's FSDP2 was imported (hook has run)."""
+    try:
+        import fsdp_autopatch
+
+        return fsdp_autopatch.status().to_dict()
+    except Exception as exc:  # the registry is informative only: never fail the demo on it
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _ensure_installed() -> str:
+    """Install the patches if this interpreter did not run the .pth (e.g. PYTHONPATH checkout)."""
+    try:
+        import fsdp_autopatch
+
+        if fsdp_autopatch.status().bootstrap == "not_run":
+            fsdp_autopatch.install()
+            return "the .pth did not run in the ranks; the demo called fsdp_autopatch.install()"
+    except Exception as exc:
+        return f"fsdp_autopatch unavailable in the ranks: {type(exc).__name__}: {exc}"
+    return ""
+
+
+def _shard(model, mesh):
+    """Vision tower and MoE get their own FSDP units (as in real VLM/MoE recipes), then the root."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.vision, mesh=mesh, mp_policy=policy)
+    fully_shard(model.moe, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _enable_fill(model, scenario: Scenario) -> str:
+    if not scenario.fill:
+        return "off (not called)"
+    if not hasattr(model, "set_reduce_scatter_unused_params"):
+        # torch < 2.13 with the backport disabled: nothing can turn the fill on.
+        return "unavailable (torch < 2.13 and the backport is off)"
+    model.set_reduce_scatter_unused_params(True)
+    return "on"
+
+
+def _gather_params(model) -> dict[str, Any]:
+    """Full fp32 copies of all parameters (collective: every rank calls it)."""
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+def _gather_grads(model) -> dict[str, Any]:
+    """Full gradients of the parameters that have one (collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    # Gathering would deadlock if the ranks disagree on which gradients exist: compare first
+    # (with tensors; all_gather_object would need numpy).
+    has_grad = torch.tensor([p.grad is not None for p in model.parameters()], dtype=torch.int32)
+    anywhere, everywhere = has_grad.clone(), has_grad.clone()
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if not torch.equal(anywhere, everywhere):
+        names = [n for (n, _), a, e in zip(model.named_parameters(), anywhere, everywhere) if a != e]
+        raise RuntimeError(f"ranks disagree on which parameters have a gradient: {names}")
+    return {
+        name: p.grad.full_tensor().detach().clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _train(model, rank: int, progress: Progress) -> dict[str, Any]:
+    """The training loop; returns what the checks need (losses, per-step weights and gradients)."""
+    import torch
+    import torch.distributed as dist
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, params_per_step, grads_per_step = [], [], []
+    for step in range(1, STEPS + 1):
+        params_per_step.append(_gather_params(model))
+        step_loss = torch.zeros(())
+        for micro in range(MICRO_BATCHES):
+            last = micro == MICRO_BATCHES - 1
+            # Accumulate without communication; reduce-scatter only after the last micro-batch.
+            model.set_requires_gradient_sync(last)
+            tokens, pixels, targets = make_micro_batch(rank, micro)
+            kind = "text+images" if pixels is not None else "text-only"
+            progress.at(f"step {step}, micro-batch {micro + 1}/{MICRO_BATCHES} ({kind}) forward")
+            loss = loss_fn(model(tokens, pixels), targets)
+            progress.at(f"step {step}, micro-batch {micro + 1}/{MICRO_BATCHES} ({kind}) backward")
+            (loss / MICRO_BATCHES).backward()
+            step_loss += loss.detach()
+        progress.at(f"step {step}, gathering gradients")
+        grads_per_step.append(_gather_grads(model))
+        progress.at(f"step {step}, optimizer step")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / (WORLD_SIZE * MICRO_BATCHES))
+    progress.at("gathering final weights")
+    final_params = _gather_params(model)
+    return {"losses": losses, "params": params_per_step, "grads": grads_per_step, "final": final_params}
+
+
+def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[str, Any]) -> None:
+    clock = time.monotonic()
+    timings = result["seconds"] = {}
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        timings[phase] = round(now - clock, 2)
+        clock = now
+
+    result["install_note"] = _ensure_installed()  # before torch, like the .pth would
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401  -- the patches are applied on this import
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)  # two ranks share two cores
+    # torch 2.13 warns whenever an FSDP unit returns a view (any nn.Linear on a 3-D input does):
+    # harmless here, no output is modified in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    if rank == 0:
+        result["registry"] = _registry_snapshot()
+        result["torch"] = torch.__version__
+    lap("import")
+    progress.at("init_process_group")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    progress.at("fully_shard")
+    model = _shard(build_model(), mesh)
+    result["fill"] = _enable_fill(model, scenario)
+    lap("setup")
+    run = _train(model, rank, progress)
+    dist.barrier()
+    dist.destroy_process_group()
+    lap("train")
+    if rank == 0:
+        progress.at("checking invariants")
+        result["checks"] = {
+            "gradients": check_gradients(run),
+            "unused_expert": check_unused_expert(run),
+            "loss": check_loss(run["losses"]),
+        }
+        lap("check")
+
+
+def worker_main(scenario_key: str, rank: int, out_dir: str, deadline_s: float) -> int:
+    """Run one rank of ``scenario_key`` and write its report; exits the process (never returns)."""
+    _start_watchdogs(deadline_s)
+    scenario = SCENARIOS[scenario_key]
+    progress = Progress(Path(out_dir) / f"rank{rank}.where")
+    result: dict[str, Any] = {"rank": rank, "error": None}
+    code = 0
+    try:
+        _run_rank(scenario, rank, progress, result)
+    except BaseException as exc:  # report every failure, including a gloo error, to the parent
+        result["error"] = {
+            "type": type(exc).__name__,
+            "message": str(exc).strip(),
+            "where": progress.where,
+            "time": time.time(),
+            "traceback": traceback.format_exc()[-4000:],
+        }
+        code = 3
+    path = Path(out_dir) / f"rank{rank}.json"
+    path.write_text(json.dumps(result, default=str))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A failed rank exits at once: tearing down gloo after a failed collective can block.
+    os._exit(code)
