@@ -1,8 +1,9 @@
 """Facts about this process that every part of the plugin reads: a leaf module, standard library only.
 
-* how the plugin started here, and whether the kill switch stopped it at start (set by
-  ``_bootstrap``, read here from ``sys.modules`` so that this module imports nothing of ours and
-  the bootstrap pays nothing for it at interpreter start);
+* how the plugin started here, and whether the kill switch stopped it at start (set by the
+  bootstrap, the top-level module ``_fsdp_autopatch_bootstrap``, and read here from
+  ``sys.modules`` so that this module imports nothing of ours and the bootstrap pays nothing for
+  it at interpreter start);
 * the module the post-import hook waits for, spelled once;
 * torch's version, without importing torch;
 * which module of this package raised an error, and the hook failure, if any.
@@ -14,7 +15,8 @@ import sys
 
 HOOK_TARGET = "torch.distributed.fsdp._fully_shard"
 _PACKAGE = __name__.rsplit(".", 1)[0]
-_BOOTSTRAP = f"{_PACKAGE}._bootstrap"
+# The start-up module: top-level, beside the package, so that interpreter start imports one module.
+BOOTSTRAP = "_fsdp_autopatch_bootstrap"
 
 # When our own code raised inside the hook: "<our module>: <Type>: <message>", else None. Kept in
 # this leaf module because the module that failed may be the registry itself.
@@ -23,12 +25,12 @@ hook_failure = None
 
 def started_by():
     """How the plugin started in this process: "pth", "start", "explicit", or None (not yet)."""
-    return getattr(sys.modules.get(_BOOTSTRAP), "source", None)
+    return getattr(sys.modules.get(BOOTSTRAP), "source", None)
 
 
 def disabled_at_start():
     """The ``FSDP_AUTOPATCH_ENABLED`` value that stopped the bootstrap from arming anything, or None."""
-    return getattr(sys.modules.get(_BOOTSTRAP), "disabled_at_start", None)
+    return getattr(sys.modules.get(BOOTSTRAP), "disabled_at_start", None)
 
 
 def armed():

@@ -46,7 +46,7 @@ def run(code, fake_torch, *flags, **env):
 
 PROGRAM = """
     import sys, json
-    import fsdp_autopatch._bootstrap as bootstrap
+    import _fsdp_autopatch_bootstrap as bootstrap
     bootstrap.install("pth")          # what the .pth line does (idempotent if it already ran)
     bootstrap.install("pth")          # a venv runs .pth files twice
     before = sorted(m for m in ("torch", "wrapt", "packaging", "inspect", "importlib.metadata") if m in sys.modules)
@@ -100,7 +100,7 @@ def test_explicit_install_after_torch_patches_right_away(fake_torch):
 def test_explicit_install_after_the_kill_switch_is_lifted_reports_explicit(fake_torch):
     code = """
         import os, json
-        import fsdp_autopatch._bootstrap as bootstrap
+        import _fsdp_autopatch_bootstrap as bootstrap
         bootstrap.install("pth")           # at start-up, with FSDP_AUTOPATCH_ENABLED=0: arms nothing
         os.environ["FSDP_AUTOPATCH_ENABLED"] = "1"
         import fsdp_autopatch
@@ -116,7 +116,7 @@ def test_explicit_install_after_the_kill_switch_is_lifted_reports_explicit(fake_
 
 
 def test_bad_values_warn_only_when_the_hook_runs(fake_torch):
-    quiet = run("import fsdp_autopatch._bootstrap as b; b.install('pth')", fake_torch, FSDP_AUTOPATCH_STRICT="maybe")
+    quiet = run("import _fsdp_autopatch_bootstrap as b; b.install('pth')", fake_torch, FSDP_AUTOPATCH_STRICT="maybe")
     assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
     loud = run(PROGRAM, fake_torch, FSDP_AUTOPATCH_STRICT="maybe", FSDP_AUTOPATCH_TYPO="1")
     assert loud.returncode == 0, loud.stderr
@@ -124,13 +124,14 @@ def test_bad_values_warn_only_when_the_hook_runs(fake_torch):
     assert "FSDP_AUTOPATCH_TYPO" in loud.stderr
 
 
-def test_bootstrap_imports_only_the_standard_library():
-    code = """
-        import sys
+def test_the_pth_line_imports_one_module_of_ours_and_only_the_standard_library():
+    """Every interpreter of the environment runs the line: one module of ours, not the package."""
+    code = f"""
+        import site, sys
         before = set(sys.modules)
-        import fsdp_autopatch._bootstrap
+        site.addpackage({os.path.abspath(SRC)!r}, "fsdp_autopatch.pth", set())   # what site does at start
         new = sorted(set(sys.modules) - before)
-        print(",".join(new))
+        print(",".join(new), sys.modules["_fsdp_autopatch_bootstrap"].source)
     """
     result = subprocess.run(
         [sys.executable, "-S", "-c", textwrap.dedent(code)],
@@ -139,15 +140,39 @@ def test_bootstrap_imports_only_the_standard_library():
         text=True,
         timeout=60,
     )
-    assert result.returncode == 0, result.stderr
-    new = set(result.stdout.strip().split(","))
-    ours = {m for m in new if m.startswith("fsdp_autopatch")}
-    # _config and _version load only when needed (FSDP_AUTOPATCH_ENABLED set, __version__ read)
-    assert ours == {"fsdp_autopatch", "fsdp_autopatch._bootstrap"}
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    modules, source = result.stdout.split()
+    new = set(modules.split(","))
+    assert source == "pth"
+    # _config loads only when FSDP_AUTOPATCH_ENABLED is set; the package when torch executes
+    assert {m for m in new if "fsdp_autopatch" in m} == {"_fsdp_autopatch_bootstrap"}
     assert not new & {"torch", "wrapt", "packaging", "inspect", "importlib.metadata", "dataclasses", "logging"}
-    # The rest of `new` is `os` and its modules, which `site` (skipped here by -S) has always loaded
-    # before it reads a .pth file; `from __future__ import annotations` would add `__future__`.
+    # The rest of `new` is what `site` (imported before `before` here) has always loaded before
+    # it reads a .pth file; `from __future__ import annotations` would add `__future__`.
     assert "__future__" not in new
+
+
+def test_the_package_name_of_the_bootstrap_is_the_same_module(fake_torch):
+    """A .pth or .start written by an earlier install names ``fsdp_autopatch._bootstrap``: it must
+    still arm the plugin, sharing one trigger and one set of process facts with the new name."""
+    code = """
+        import sys, json
+        import fsdp_autopatch._bootstrap as old
+        old.install("pth")                 # the line an earlier .pth runs
+        import _fsdp_autopatch_bootstrap as new
+        new.install("pth")                 # and this install's own
+        import torch.distributed.fsdp, fsdp_autopatch
+        print(json.dumps({"same": old is new and fsdp_autopatch._bootstrap is new,
+                          "triggers": sum(f is new._TorchImportTrigger for f in sys.meta_path),
+                          "report": fsdp_autopatch.status().to_dict()}))
+    """
+    result = run(code, fake_torch)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    data = json.loads(result.stdout)
+    assert data["same"] is True
+    assert data["triggers"] == 1
+    assert data["report"]["bootstrap"] == "pth"
+    assert {p["status"] for p in data["report"]["patches"]} == {"unsupported"}  # the hook ran
 
 
 def test_first_import_of_torch_in_one_thread_does_not_deadlock_another_thread(fake_torch):
@@ -155,7 +180,7 @@ def test_first_import_of_torch_in_one_thread_does_not_deadlock_another_thread(fa
     importing ``logging`` (a module wrapt needs) at the same moment would otherwise hang forever."""
     code = """
         import threading
-        import fsdp_autopatch._bootstrap as bootstrap
+        import _fsdp_autopatch_bootstrap as bootstrap
         bootstrap.install("pth")
         barrier = threading.Barrier(2)
         def first_torch_import():
@@ -182,7 +207,7 @@ def test_availability_check_does_not_use_up_the_trigger(fake_torch):
     disarm anything: the real ``import torch`` afterwards still activates the plugin."""
     code = """
         import importlib.util, sys, json
-        import fsdp_autopatch._bootstrap as bootstrap
+        import _fsdp_autopatch_bootstrap as bootstrap
         bootstrap.install("pth")
         assert importlib.util.find_spec("torch") is not None
         armed_early = "wrapt" in sys.modules
@@ -199,9 +224,10 @@ def test_availability_check_does_not_use_up_the_trigger(fake_torch):
 
 
 def test_the_bootstrap_spells_the_kill_switch_as_the_config_does():
-    from fsdp_autopatch import _bootstrap, _config
+    import _fsdp_autopatch_bootstrap as bootstrap
+    from fsdp_autopatch import _config
 
-    assert _bootstrap.KILL_SWITCH == _config.KILL_SWITCH
+    assert bootstrap.KILL_SWITCH == _config.KILL_SWITCH
 
 
 def test_version_is_loaded_on_first_use():

@@ -167,7 +167,7 @@ def reasons(report):
 # made it), then the import every training script makes, then the registry.
 PROGRAM = """
     import json, sys
-    import fsdp_autopatch._bootstrap as bootstrap
+    import _fsdp_autopatch_bootstrap as bootstrap
     bootstrap.install("pth")
     {pre}
     import torch.distributed.fsdp
@@ -415,7 +415,7 @@ def test_pth_line_executed_three_times_arms_and_activates_once(fake_torch):
         activate_module.activate = counting  # the hook is "fsdp_autopatch._activate:activate", resolved when it fires
         for _ in range(2):
             site.addpackage({SRC!r}, "fsdp_autopatch.pth", set())
-        import fsdp_autopatch._bootstrap as bootstrap
+        import _fsdp_autopatch_bootstrap as bootstrap
         import torch.distributed.fsdp
         import fsdp_autopatch
         print(json.dumps({{

@@ -39,9 +39,10 @@ HOOK_PATH = {
     "fsdp_autopatch._version": None,
     "fsdp_autopatch._process": None,
 }
-# Start-up modules: a failure there means the .pth arms nothing. Without the package's __init__
-# status cannot be asked; without the bootstrap it says the bootstrap did not run.
-START_UP = ("fsdp_autopatch", "fsdp_autopatch._bootstrap")
+# Start-up modules: the bootstrap (top-level, the one module the .pth imports) failing means the
+# .pth arms nothing, and status says the bootstrap did not run. The package's __init__ failing
+# stops the hook when torch executes (caught there) and status cannot be asked.
+START_UP = ("fsdp_autopatch", "_fsdp_autopatch_bootstrap")
 PATCHES = ("accumulated_grad_guard", "unused_param_reduction", "uniform_reduce_dtype", "restore_unused_param_grads")
 
 PROGRAM = """

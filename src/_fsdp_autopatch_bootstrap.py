@@ -1,0 +1,183 @@
+"""What ``fsdp_autopatch.pth`` (Python <= 3.14) and ``fsdp_autopatch.start`` (PEP 829, 3.15+) run.
+
+Every interpreter in the environment pays for this module: pip, torchrun's agent, each rank,
+each DataLoader worker. So it is one top-level module beside the package in site-packages, not a
+submodule: importing ``fsdp_autopatch._bootstrap`` would make Python execute the package's
+``__init__`` first, a second module at every interpreter start (bench/startup.py,
+docs/performance.md). It is stdlib only (``os``, ``sys``), imports neither torch nor wrapt (nor
+packaging, inspect, importlib.metadata, nor the package ``fsdp_autopatch``), prints nothing and
+never raises. ``fsdp_autopatch._bootstrap`` is this same module under the package's name.
+
+It does one thing: wait for ``import torch``. A meta-path finder notices the first
+``import torch`` and, when torch starts executing, imports wrapt and registers a post-import hook
+on ``torch.distributed.fsdp._fully_shard``; the hook (``fsdp_autopatch._hook``) applies the patches.
+A process that never imports torch never pays more than this module.
+
+``install()`` is idempotent because Python <= 3.14 runs a venv's ``.pth`` files twice (CPython
+issue 75723) and because users may also call ``fsdp_autopatch.install()`` themselves.
+"""
+
+import os
+import sys
+
+# The kill switch's name, the same as ``_config.KILL_SWITCH`` (tests/unit/test_bootstrap.py checks).
+# Spelled here so that a start without the variable, the usual case, imports only this module:
+# every other module costs ~0.1-0.3 ms at every interpreter start (bench/startup.py).
+KILL_SWITCH = "FSDP_AUTOPATCH_ENABLED"
+
+# The process facts the package reads through ``fsdp_autopatch._process`` (which looks them up here
+# in ``sys.modules``, so that this module imports nothing of the package at start-up):
+# how the plugin started in this process: "pth", "start", "explicit"; None = not yet.
+source = None
+# The FSDP_AUTOPATCH_ENABLED value that stopped the bootstrap from arming anything, or None.
+disabled_at_start = None
+_hook_registered = False
+
+
+def install(how="explicit"):
+    """Arrange for the patches to be applied when torch's FSDP2 is imported (now, if it already is).
+
+    Never raises: a broken plugin must not break ``import site`` or the user's program.
+    """
+    try:
+        _install(how)
+    except Exception:
+        pass
+
+
+def start():
+    """Entry point of ``fsdp_autopatch.start`` (PEP 829)."""
+    install("start")
+
+
+def _install(how):
+    global source, disabled_at_start
+    if source is None:
+        source = how
+    if KILL_SWITCH in os.environ:  # unset (the usual case) means on: no need to parse anything
+        from fsdp_autopatch._config import kill_switch_off
+
+        if kill_switch_off():
+            # Respect FSDP_AUTOPATCH_ENABLED=0 at its cheapest: arm nothing at all.
+            disabled_at_start = os.environ.get(KILL_SWITCH)
+            return
+    if disabled_at_start is not None:
+        source = how  # an earlier call armed nothing (kill switch): this is the one that starts the plugin
+    disabled_at_start = None
+    if "torch" in sys.modules:
+        register_hook()  # torch came first (python -S, embedded, late explicit install)
+    else:
+        _arm_torch_import_trigger()
+
+
+def _arm_torch_import_trigger():
+    if not any(finder is _TorchImportTrigger for finder in sys.meta_path):
+        sys.meta_path.insert(0, _TorchImportTrigger)
+
+
+class _TorchImportTrigger:
+    """A meta-path finder that notices ``import torch`` and arms the hook when torch executes.
+
+    It never imports anything inside ``find_spec``: the import system calls finders while holding
+    its global import lock, and importing wrapt there could deadlock against another thread that
+    holds a module lock (e.g. ``logging``) and waits for that global lock. Instead it asks the other
+    finders for torch's real spec and wraps its loader, so that wrapt is imported at the start of
+    torch's ``exec_module``, where only torch's own module lock is held, like any nested import.
+
+    ``importlib.util.find_spec("torch")`` (an availability check) gets the wrapped spec too, but
+    nothing happens until torch really executes. After that the finder stays in ``sys.meta_path``,
+    inert: removing it while the import system iterates ``sys.meta_path`` could skip a finder.
+    """
+
+    fired = False
+    _searching = False  # guards against our own lookup of torch's real spec
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname != "torch" or cls.fired or cls._searching:
+            return None
+        try:
+            spec = cls._real_spec(fullname, path, target)
+            if spec is None or not hasattr(spec.loader, "exec_module"):
+                return None
+            spec.loader = _ArmBeforeExec(spec.loader, spec)
+            return spec
+        except Exception:
+            return None
+
+    @classmethod
+    def _real_spec(cls, fullname, path, target):
+        cls._searching = True
+        try:
+            for finder in list(sys.meta_path):
+                find_spec = getattr(finder, "find_spec", None)
+                if finder is cls or find_spec is None:
+                    continue
+                spec = find_spec(fullname, path, target)
+                if spec is not None:
+                    return spec
+            return None
+        finally:
+            cls._searching = False
+
+    @classmethod
+    def invalidate_caches(cls):
+        pass
+
+
+class _ArmBeforeExec:
+    """torch's own loader, plus one step before torch's ``__init__`` runs: register the hook."""
+
+    def __init__(self, loader, spec):
+        self._loader = loader
+        self._spec = spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # Put torch's real loader back first, so that nothing after this sees the wrapper.
+        self._spec.loader = self._loader
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self._loader
+        if not _TorchImportTrigger.fired:
+            _TorchImportTrigger.fired = True
+            try:
+                register_hook()
+            except Exception:
+                pass
+        self._loader.exec_module(module)
+
+    def __getattr__(self, name):  # get_filename, get_resource_reader, is_package, ...
+        return getattr(self._loader, name)
+
+
+def register_hook():
+    """Register the wrapt post-import hook on torch's FSDP2 once; fires now if already imported."""
+    global _hook_registered
+    # stdlib only; here, not at interpreter start: only torch processes need the package
+    from fsdp_autopatch import _hook
+    from fsdp_autopatch._process import HOOK_TARGET
+
+    if _hook_registered:
+        # Already armed; if FSDP2 is already imported the patches ran, but an explicit install()
+        # after the first activation should still (idempotently) patch anything left pending.
+        if HOOK_TARGET in sys.modules:
+            _hook.on_fsdp_import(sys.modules[HOOK_TARGET])
+        return
+    try:
+        import wrapt
+    except Exception as error:  # wrapt missing or broken: say so in the registry, not on stderr
+        _hook.record_every_patch("unsupported", f"wrapt could not be imported ({type(error).__name__}: {error})")
+        return
+    _hook_registered = True
+    # A wrapt that imports but cannot register the hook (a broken or incompatible install) must
+    # not leave every patch `pending` forever although FSDP2 was imported: record why.
+    try:
+        # The hook is a function, not a "module:function" string: wrapt would import that module
+        # inside the user's import, and an error there would fail the user's import.
+        wrapt.register_post_import_hook(_hook.on_fsdp_import, HOOK_TARGET)
+    except Exception as error:
+        _hook.record_every_patch(
+            "unsupported", f"wrapt could not register the import hook ({type(error).__name__}: {error})"
+        )
