@@ -31,6 +31,7 @@ def test_editable_install_puts_the_start_up_files_into_site_packages(
     assert (site / "fsdp_autopatch.pth").read_text() == (editable_source / "src" / "fsdp_autopatch.pth").read_text()
     assert (site / "fsdp_autopatch.start").is_file()
     assert not (site / "fsdp_autopatch").exists(), "an editable install must not copy the package"
+    assert not (site / "_fsdp_autopatch_bootstrap.py").exists(), "nor the bootstrap: edits would not take effect"
     # The .pth that puts src/ on sys.path must be processed before ours (site sorts by name).
     path_files = [
         p.name
@@ -45,11 +46,11 @@ def test_editable_start_up_runs_the_bootstrap_from_the_checkout(editable_venv: V
     result = editable_venv.py(
         """
         import sys, json
-        plugin = sys.modules.get("fsdp_autopatch")
+        bootstrap = sys.modules.get("_fsdp_autopatch_bootstrap")
         print(json.dumps({
-            "bootstrap": "fsdp_autopatch._bootstrap" in sys.modules,
-            "file": getattr(plugin, "__file__", None),
-            "triggers": sum(getattr(f, "__module__", "") == "fsdp_autopatch._bootstrap" for f in sys.meta_path),
+            "bootstrap": bootstrap is not None,
+            "file": getattr(bootstrap, "__file__", None),
+            "triggers": sum(getattr(f, "__module__", "") == "_fsdp_autopatch_bootstrap" for f in sys.meta_path),
             "heavy": [m for m in ("torch", "wrapt", "packaging", "inspect", "importlib.metadata") if m in sys.modules],
         }))
         """
@@ -90,5 +91,5 @@ def test_editable_uninstall_leaves_no_file(_editable_venv: Venv, editable_venv: 
     _editable_venv.installed = False  # the next test that needs it gets it reinstalled
     editable_venv.pip("uninstall", "-y", "fsdp-autopatch")
     assert editable_venv.fsdp_autopatch_files() == []
-    result = editable_venv.py("import sys; print([m for m in sys.modules if m.startswith('fsdp_autopatch')])")
+    result = editable_venv.py("import sys; print([m for m in sys.modules if 'fsdp_autopatch' in m])")
     assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", ""), describe(result)

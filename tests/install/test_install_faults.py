@@ -109,7 +109,7 @@ def _point(module, owner, attribute):
 def state(error=None):
     import os
     plugin = _sys.modules.get("fsdp_autopatch")
-    boot = _sys.modules.get("fsdp_autopatch._bootstrap")
+    boot = _sys.modules.get("_fsdp_autopatch_bootstrap")
     return {
         "pid": os.getpid(),
         "error": error,
@@ -170,7 +170,7 @@ def test_torch_not_installed(plain_venv: Venv) -> None:
             missing = None
         except ModuleNotFoundError as error:
             missing = error.name
-        plugin = sys.modules["fsdp_autopatch"]
+        import fsdp_autopatch as plugin
         print(json.dumps({"missing": missing, "report": plugin.status().to_dict(),
                           "wrapt_loaded": "wrapt" in sys.modules}))
         """
@@ -597,7 +597,10 @@ def test_malformed_values_with_real_torch(batch: dict, case: str) -> None:
 
 # --- security: the .pth runs no code chosen by the environment -----------------------------------
 
-START_UP_MODULES = ("__init__.py", "_version.py", "_bootstrap.py", "_config.py")
+# The bootstrap; what it imports when FSDP_AUTOPATCH_ENABLED is set (the package, _config); and
+# the package's name for the bootstrap, which an earlier install's .pth imports.
+START_UP_MODULES = ("_fsdp_autopatch_bootstrap.py", "fsdp_autopatch/__init__.py", "fsdp_autopatch/_version.py",
+                    "fsdp_autopatch/_bootstrap.py", "fsdp_autopatch/_config.py")
 
 
 def _wheel_text(wheel: Path, name: str) -> str:
@@ -624,7 +627,7 @@ def test_pth_line_runs_only_a_literal(wheel: Path) -> None:
     assert isinstance(guard, ast.Try) and not guard.orelse and not guard.finalbody
     bootstrap_import, install_call = guard.body
     assert isinstance(bootstrap_import, ast.Import)
-    assert [(a.name, a.asname) for a in bootstrap_import.names] == [("fsdp_autopatch._bootstrap", "b")]
+    assert [(a.name, a.asname) for a in bootstrap_import.names] == [("_fsdp_autopatch_bootstrap", "b")]
     install = install_call.value
     assert isinstance(install, ast.Call) and ast.unparse(install.func) == "b.install"
     assert all(isinstance(arg, ast.Constant) for arg in install.args) and not install.keywords
@@ -646,7 +649,7 @@ def test_start_up_modules_run_no_code_or_paths_from_the_environment(wheel: Path,
     """What the ``.pth`` imports at interpreter start, as shipped in the wheel: no dynamic code
     (eval/exec/compile/__import__/importlib), no file access, no processes, no ``sys.path`` or
     ``os.path``; the bootstrap reads exactly one variable, the kill switch (``in``, then ``.get``)."""
-    tree = ast.parse(_wheel_text(wheel, f"fsdp_autopatch/{module}"))
+    tree = ast.parse(_wheel_text(wheel, module))
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     imports = (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
@@ -661,7 +664,7 @@ def test_start_up_modules_run_no_code_or_paths_from_the_environment(wheel: Path,
         for child in ast.iter_child_nodes(parent)
         if isinstance(child, ast.Attribute) and child.attr == "environ"
     ]
-    if module == "_bootstrap.py":
+    if module == "_fsdp_autopatch_bootstrap.py":
         # a membership test first (unset, the usual case, costs no import), then the value
         assert sorted(environ_uses) == ["KILL_SWITCH in os.environ", "os.environ.get"], environ_uses
         calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)]
@@ -677,8 +680,8 @@ def test_installed_start_up_files_match_the_wheel_and_record(torch_venv: Venv, w
     for line in (dist_info / "RECORD").read_text().splitlines():
         path, digest, _ = line.rsplit(",", 2)
         record[path] = digest
-    for name in ("fsdp_autopatch.pth", "fsdp_autopatch.start", "fsdp_autopatch/_bootstrap.py",
-                 "fsdp_autopatch/_config.py"):
+    for name in ("fsdp_autopatch.pth", "fsdp_autopatch.start", "_fsdp_autopatch_bootstrap.py",
+                 "fsdp_autopatch/_bootstrap.py", "fsdp_autopatch/_config.py"):
         data = (torch_venv.site_packages / name).read_bytes()
         assert data.decode("utf-8") == _wheel_text(wheel, name), name
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()

@@ -98,13 +98,13 @@ def test_start_up_imports_nothing_heavy(torch_venv: Venv) -> None:
         print(json.dumps({
             "modules": sorted(sys.modules),
             "triggers": [type(f).__name__ if not isinstance(f, type) else f.__name__
-                         for f in sys.meta_path if getattr(f, "__module__", "") == "fsdp_autopatch._bootstrap"],
+                         for f in sys.meta_path if getattr(f, "__module__", "") == "_fsdp_autopatch_bootstrap"],
         }))
         """
     )
     state = json_from(result)
     modules = set(state["modules"])
-    assert "fsdp_autopatch._bootstrap" in modules, "the .pth did not run"
+    assert "_fsdp_autopatch_bootstrap" in modules, "the .pth did not run"
     loaded = sorted(m for m in MUST_NOT_LOAD_AT_START if m in modules)
     assert not loaded, f"imported at interpreter start: {loaded}"
     # The venv runs its .pth files twice (CPython issue 75723): the trigger is armed once only.
@@ -112,7 +112,8 @@ def test_start_up_imports_nothing_heavy(torch_venv: Venv) -> None:
 
 
 def test_start_up_imports_only_the_bootstrap(torch_venv: Venv) -> None:
-    """``-X importtime``: the modules first imported while the .pth line imports the bootstrap."""
+    """``-X importtime``: interpreter start imports one module of ours, the top-level bootstrap, and
+    nothing while importing it (not the package: its ``__init__`` would be a second module)."""
     result = torch_venv.py("pass", flags=("-X", "importtime"))
     assert result.returncode == 0 and not result.stdout, describe(result)
     rows = []  # (depth, module) in the order importtime reports them: children before parents
@@ -120,18 +121,13 @@ def test_start_up_imports_only_the_bootstrap(torch_venv: Venv) -> None:
         match = re.match(r"import time:\s+\d+ \|\s+\d+ \|( *)(\S+)$", line)
         if match:
             rows.append((len(match.group(1)) // 2, match.group(2)))
-    ours = [depth for depth, name in rows if name.split(".")[0] == "fsdp_autopatch"]
-    assert ours, result.stderr
-    level = min(ours)  # the depth of the imports the .pth line made (site imports the .pth modules)
-    top = [i for i, (depth, name) in enumerate(rows) if depth == level and name.split(".")[0] == "fsdp_autopatch"]
-    imported = set()
-    for end in top:  # an import the .pth line made, plus the deeper rows reported just before it
-        start = end
-        while start > 0 and rows[start - 1][0] > level:
-            start -= 1
-        imported |= {name for _, name in rows[start : end + 1]}
-    others = sorted(m for m in imported if m != "fsdp_autopatch" and not m.startswith("fsdp_autopatch."))
-    assert others == [], f"the bootstrap imports {others} at interpreter start"
+    ours = [(i, depth) for i, (depth, name) in enumerate(rows) if "fsdp_autopatch" in name.split(".")[0]]
+    assert [rows[i][1] for i, _ in ours] == ["_fsdp_autopatch_bootstrap"], result.stderr
+    ((end, level),) = ours
+    start = end
+    while start > 0 and rows[start - 1][0] > level:  # the rows reported just before it, deeper: its imports
+        start -= 1
+    assert rows[start:end] == [], f"the bootstrap imports {rows[start:end]} at interpreter start"
 
 
 @pytest.mark.parametrize(
@@ -155,7 +151,7 @@ def test_start_up_is_silent(torch_venv: Venv, env: dict) -> None:
 @pytest.mark.parametrize("flags", [("-I",), ("-X", "dev"), ("-W", "error")], ids=["isolated", "dev-mode", "W-error"])
 def test_start_up_is_silent_under_interpreter_flags(torch_venv: Venv, flags: tuple) -> None:
     result = torch_venv.py(
-        "import sys; print('fsdp_autopatch._bootstrap' in sys.modules)",
+        "import sys; print('_fsdp_autopatch_bootstrap' in sys.modules)",
         flags=flags,
         env={"FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED": "maybe", "FSDP_AUTOPATCH_FOO": "1"},
     )
@@ -172,7 +168,7 @@ def test_python_dash_S_needs_an_explicit_install(torch_venv: Venv) -> None:
         import sys, json
         sys.path.append({str(torch_venv.site_packages)!r})  # what an embedding application does
         import torch.distributed.fsdp
-        pth_ran = "fsdp_autopatch" in sys.modules
+        pth_ran = "_fsdp_autopatch_bootstrap" in sys.modules
         import fsdp_autopatch, wrapt
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
         def depth():

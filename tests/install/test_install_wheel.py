@@ -45,9 +45,12 @@ def test_wheel_has_the_package(wheel: Path) -> None:
         "patches/restore_unused_param_grads.py",
     ):
         assert f"fsdp_autopatch/{module}" in names, module
+    # The one module interpreter start imports sits beside the package, at the root.
+    assert "_fsdp_autopatch_bootstrap.py" in names
     # Nothing from the source layout or the test suite leaks into site-packages.
     tops = {n.split("/", 1)[0] for n in names}
-    assert tops == {"fsdp_autopatch", "fsdp_autopatch.pth", "fsdp_autopatch.start", _dist_info(wheel)}, tops
+    expected = {"fsdp_autopatch", "_fsdp_autopatch_bootstrap.py", "fsdp_autopatch.pth", "fsdp_autopatch.start"}
+    assert tops == expected | {_dist_info(wheel)}, tops
 
 
 def test_pth_is_one_import_line_at_the_wheel_root(wheel: Path) -> None:
@@ -57,7 +60,8 @@ def test_pth_is_one_import_line_at_the_wheel_root(wheel: Path) -> None:
     (line,) = lines
     # site.addpackage executes a line only if it starts with "import" followed by a space or tab.
     assert line.startswith(("import ", "import\t")), line
-    assert "fsdp_autopatch._bootstrap" in line and "install" in line, line
+    # One top-level module: a submodule would make Python execute the package's __init__ too.
+    assert "import _fsdp_autopatch_bootstrap as b" in line and "install" in line, line
     # The line must not be able to raise (a raising .pth line prints a traceback at every start).
     assert "try:" in line and "except Exception" in line, line
 
@@ -68,7 +72,7 @@ def test_start_file_names_an_existing_callable(wheel: Path) -> None:
         for line in _read(wheel, "fsdp_autopatch.start").splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert entries == ["fsdp_autopatch._bootstrap:start"], entries
+    assert entries == ["_fsdp_autopatch_bootstrap:start"], entries
     module, _, function = entries[0].partition(":")
     source = _read(wheel, module.replace(".", "/") + ".py")
     functions = {
@@ -83,7 +87,9 @@ def test_record_lists_the_start_up_files(wheel: Path) -> None:
     """pip uninstall removes exactly what RECORD lists."""
     record = _read(wheel, f"{_dist_info(wheel)}/RECORD")
     recorded = {line.split(",", 1)[0] for line in record.splitlines() if line}
-    assert {"fsdp_autopatch.pth", "fsdp_autopatch.start", "fsdp_autopatch/_bootstrap.py"} <= recorded
+    start_up = {"fsdp_autopatch.pth", "fsdp_autopatch.start", "_fsdp_autopatch_bootstrap.py",
+                "fsdp_autopatch/_bootstrap.py"}
+    assert start_up <= recorded
 
 
 def test_metadata_and_console_script(wheel: Path) -> None:
