@@ -66,8 +66,8 @@ def local(t):
 
 
 def applied_by_the_plugin() -> list[str] | None:
-    """The patches fsdp-autopatch applied in this process (None: not loaded). Not an import: the
-    .pth loaded the package at interpreter start, if it is installed."""
+    """The patches fsdp-autopatch applied in this process (None: not loaded). Not an import: if it is
+    installed, its .pth armed it at interpreter start and it loaded when this script imported torch."""
     plugin = sys.modules.get("fsdp_autopatch")
     return None if plugin is None else list(plugin.applied())
 
