@@ -101,11 +101,18 @@ def __getattr__(name: str):
         from ._version import __version__
 
         return __version__
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Plain relative imports, not importlib: this module is on the start-up path and stays
+    # free of anything the interpreter did not load already.
+    home = _LAZY.get(name)
+    if home == "_registry":
+        from . import _registry as module
+    elif home == "_spec":
+        from . import _spec as module
+    elif home == "_events":
+        from . import _events as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)
 
 
 def __dir__():
