@@ -16,7 +16,6 @@ whatever pytest's import mode.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,15 +29,14 @@ if HERE not in sys.path:
 
 from _install_support import (  # noqa: E402
     REPO,
-    T_BUILD,
     T_PIP_TORCH,
     T_TORCH,
     TORCH_RELEASE,
     TORCH_REQUIREMENT,
     Venv,
+    build_wheel,
     describe,
     ex,
-    run,
 )
 
 VENV_NAMES = ("torch", "plain", "editable")
@@ -68,15 +66,7 @@ def _bare_venvs(install_root: Path):
 @pytest.fixture(scope="session")
 def wheel(install_root: Path) -> Path:
     """The real wheel, built the way a release is built (isolated build env, hatchling backend)."""
-    out = install_root / "dist"
-    out.mkdir()
-    if importlib.util.find_spec("build") is not None:
-        cmd = [sys.executable, "-m", "build", "--wheel", "--outdir", out, REPO]
-    else:  # pragma: no cover - the `test` extra brings `build`
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", out, REPO]
-    run(cmd, timeout=T_BUILD, check=True)
-    (built,) = out.glob("fsdp_autopatch-*.whl")
-    return built
+    return build_wheel(REPO, install_root / "dist")
 
 
 @pytest.fixture(scope="session")
