@@ -41,8 +41,9 @@ def activate(module: Any = None) -> None:
     every target is resolved by its dotted path.
     """
     with _lock:
-        externals = _discover_isolated()
+        externals, refused = _discover_isolated()
         settings = _read_settings_safely(FIXES + tuple(external.name for external in externals))
+        _record_refused(refused, settings)
         _configure_logging(settings)
         REGISTRY.record_torch_version(_process.torch_version())
         for name in FIXES:
@@ -53,18 +54,24 @@ def activate(module: Any = None) -> None:
             _run_policy(name, settings)
 
 
-def _discover_isolated() -> list[_thirdparty.External]:
+def _discover_isolated() -> tuple[list[_thirdparty.External], list[_thirdparty.Refused]]:
     """Third-party patches from installed metadata (no code imported); none if that fails."""
     try:
         externals, refused = _thirdparty.discover(FIXES + POLICIES)
     except Exception as error:
         REGISTRY.record_policy("third_party", f"not armed: discovery failed: {type(error).__name__}: {error}")
-        return []
-    for entry in refused:
-        REGISTRY.add_external(entry.key, entry.provider, PatchStatus.FAILED, entry.reason)
+        return [], []
     for external in externals:
         REGISTRY.add_external(external.name, external.provider)
-    return externals
+    return externals, refused
+
+
+def _record_refused(refused: list[_thirdparty.Refused], settings: Settings) -> None:
+    # Switched off as a whole, third-party patches are not a problem: not even refused ones.
+    status = PatchStatus.FAILED if settings.third_party else PatchStatus.DISABLED
+    for entry in refused:
+        reason = entry.reason if settings.third_party else f"disabled by {THIRD_PARTY}=0 ({entry.reason})"
+        REGISTRY.add_external(entry.key, entry.provider, status, reason)
 
 
 def _run_external(external: _thirdparty.External, settings: Settings) -> None:

@@ -385,5 +385,4 @@ PATCH = Patch(
     changes=ARMED,
     kind=POLICY,
     variable=CROSS_RANK_CHECK,
-    default=True,
 )

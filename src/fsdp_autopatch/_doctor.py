@@ -220,8 +220,12 @@ def _torch_and_patches() -> list[Finding]:
 
 def _patch_finding(record: Any) -> Finding:
     finding = _patch_finding_of_status(record)
-    if record.provider:  # a patch another distribution declares: say whose
+    if record.provider:  # a patch another distribution declares: say whose, and whom to tell
         finding = finding._replace(message=f"{finding.message} [from {record.provider}]")
+        if record.status is PatchStatus.FAILED:
+            finding = finding._replace(
+                action=f"report it to the maintainers of {record.provider.rsplit(' ', 1)[0]}, or set {record.env}=0"
+            )
     return finding
 
 

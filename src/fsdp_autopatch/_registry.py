@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import _process
-from ._config import KILL_SWITCH, patch_env_var
+from ._config import KILL_SWITCH, THIRD_PARTY, patch_env_var
 from ._process import HOOK_TARGET
 from ._version import __version__
 from .patches import PATCH_NAMES
@@ -185,7 +185,9 @@ class Registry:
 
 
 def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:
-    env = patch_env_var(name.rsplit(":", 1)[-1])  # a refused third-party record is "<distribution>:<name>"
+    # A refused third-party record, "<distribution>:<name>", has no toggle of its own (its name's
+    # toggle belongs to whoever owns the name): FSDP_AUTOPATCH_THIRD_PARTY silences it.
+    env = THIRD_PARTY if ":" in name else patch_env_var(name)
     return PatchRecord(
         name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value, fired, entry.provider
     )

@@ -98,7 +98,6 @@ class Patch(NamedTuple):
     changes    -- what applying it changed, for the registry's reason
     kind       -- :data:`FIX` or :data:`POLICY`
     variable   -- the toggle; derived from the name unless given (policies keep their own names)
-    default    -- on or off when no variable decides (policies are off unless asked for)
     """
 
     name: str
@@ -112,7 +111,6 @@ class Patch(NamedTuple):
     changes: str
     kind: str = FIX
     variable: Optional[str] = None
-    default: bool = True
 
     @property
     def toggle(self) -> str:

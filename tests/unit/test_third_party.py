@@ -116,6 +116,13 @@ def test_a_name_of_a_builtin_patch_is_refused(tmp_path):
     assert refused["reason"] == f"refused: {builtin}"
 
 
+def test_refused_ones_are_disabled_with_every_third_party_patch(tmp_path):
+    make_dist(tmp_path, "evil-dist", {"uniform_reduce_dtype": "evil:PATCH"}, "evil", "raise SystemExit('never')")
+    refused = run(tmp_path, {"FSDP_AUTOPATCH_THIRD_PARTY": "0"})["patches"]["evil-dist:uniform_reduce_dtype"]
+    assert refused["status"] == "disabled", refused
+    assert refused["env"] == "FSDP_AUTOPATCH_THIRD_PARTY"  # its name's toggle belongs to the built-in
+
+
 def test_a_name_two_distributions_declare_is_refused_for_both(tmp_path):
     example(tmp_path)
     make_dist(tmp_path / "other", "other-dist", {"post_backward_census": "fsdp_autopatch_example:PATCH"})

@@ -45,5 +45,4 @@ PATCH = Patch(
     changes=f"every FSDP unit starts with reduce_scatter_unused_params on ({REDUCE_SCATTER_UNUSED_PARAMS}=1)",
     kind=POLICY,
     variable=REDUCE_SCATTER_UNUSED_PARAMS,
-    default=False,
 )
