@@ -40,7 +40,8 @@ def _structural_check():
 
 
 def _count(wrapped, group, args, kwargs):
-    _counts[str(getattr(group, "_module_fqn", None) or "?")] += 1
+    fqn = getattr(group, "_module_fqn", None)  # "" for the root module's unit
+    _counts["<root>" if fqn == "" else str(fqn or "?")] += 1
     return wrapped(*args, **kwargs)
 
 
