@@ -5,8 +5,12 @@ the same torch, wrapt and packaging: ``with-plugin`` (the wheel installed, so it
 ``without-plugin`` (no fsdp-autopatch at all, so no .pth). Then, alternating the two venvs run by
 run (machine noise hits both alike), it measures:
 
-  start-up     ``python -c pass``: medians and their ratio; the modules the .pth adds to
-               ``sys.modules``; the bootstrap's own import time (``-X importtime``).
+  start-up     ``python -c pass``: wall clock and CPU time (user + system of the child, which a
+               loaded machine inflates much less than the wall clock), and ``site.main()``'s CPU
+               time inside the interpreter; medians, 10th percentiles and ratios; the modules the
+               .pth adds to ``sys.modules``; the bootstrap's own import time (``-X importtime``).
+               ``--baseline-wheel`` adds a third venv (e.g. an earlier commit's wheel) to the
+               alternation; ``--startup-only`` skips the activation part.
   activation   ``import torch.distributed.fsdp``: medians and their ratio (wall clock, noisy); and,
                inside the with-plugin interpreter, the time of the hook itself: arming (import wrapt,
                register the post-import hook, at ``import torch``) plus firing (import the patches
@@ -15,6 +19,7 @@ run (machine noise hits both alike), it measures:
                are moved earlier by the hook, not added), and its split by package.
 
     python3 bench/startup.py [--rounds 40] [--torch-rounds 10] [--probe-rounds 5] [--json out.json]
+                             [--startup-only] [--baseline-wheel old.whl]
 
 The venvs live in ``.artifacts/bench/`` (``--venvs``) and are reused; the plugin is reinstalled
 whenever the wheel built from the checkout changes. First run: a few minutes (installs torch twice,
@@ -79,12 +84,18 @@ def venv_python(path: Path) -> Path:
     return path / "bin" / "python"
 
 
-def ensure_venvs(root: Path, torch_spec: str) -> tuple[Path, Path]:
+VENV_DIRS = {"with plugin": "with-plugin", "with baseline plugin": "with-baseline-plugin", "without plugin": "without-plugin"}
+
+
+def ensure_venvs(root: Path, torch_spec: str, baseline_wheel: Path | None = None) -> dict[str, Path]:
+    """The venvs' pythons: "with plugin" (this checkout's wheel), "with baseline plugin" (only with
+    ``--baseline-wheel``, e.g. a wheel built from an earlier commit) and "without plugin"."""
     base = getattr(sys, "_base_executable", None) or sys.executable
-    wheel = build_wheel(root / "dist")
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    with_dir, without_dir = root / "with-plugin", root / "without-plugin"
-    for path in (with_dir, without_dir):
+    wheels = {"with plugin": build_wheel(root / "dist")}
+    if baseline_wheel is not None:
+        wheels["with baseline plugin"] = baseline_wheel.resolve()
+    dirs = {name: root / VENV_DIRS[name] for name in [*wheels, "without plugin"]}
+    for path in dirs.values():
         stamp = path / "bench-torch-spec"
         if not (stamp.exists() and stamp.read_text() == torch_spec):
             if path.exists():
@@ -94,36 +105,68 @@ def ensure_venvs(root: Path, torch_spec: str) -> tuple[Path, Path]:
             # torch without compiling its ~4000 modules; the warm-up below compiles what is imported
             sh([venv_python(path), "-m", "pip", "install", "-q", "--no-compile", torch_spec])
             stamp.write_text(torch_spec)
-    plugin_stamp = with_dir / "bench-plugin-sha256"
-    if not (plugin_stamp.exists() and plugin_stamp.read_text() == digest):
-        sh([venv_python(with_dir), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", wheel])
-        sh([venv_python(with_dir), "-m", "pip", "install", "-q", wheel])  # wrapt, packaging
-        plugin_stamp.write_text(digest)
+    for name, wheel in wheels.items():
+        path = dirs[name]
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        plugin_stamp = path / "bench-plugin-sha256"
+        if not (plugin_stamp.exists() and plugin_stamp.read_text() == digest):
+            sh([venv_python(path), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", wheel])
+            sh([venv_python(path), "-m", "pip", "install", "-q", wheel])  # wrapt, packaging
+            plugin_stamp.write_text(digest)
     # the same wrapt and packaging (and nothing else) in the venv without the plugin
-    versions = json.loads(sh([venv_python(with_dir), "-c",
+    versions = json.loads(sh([venv_python(dirs["with plugin"]), "-c",
                               "import json, importlib.metadata as m; "
                               "print(json.dumps({p: m.version(p) for p in ('wrapt', 'packaging')}))"]).stdout)
-    sh([venv_python(without_dir), "-m", "pip", "install", "-q", *(f"{p}=={v}" for p, v in versions.items())])
-    for path in (with_dir, without_dir):  # compile what the programs below import, once
+    sh([venv_python(dirs["without plugin"]), "-m", "pip", "install", "-q", *(f"{p}=={v}" for p, v in versions.items())])
+    for path in dirs.values():  # compile what the programs below import, once
         sh([venv_python(path), "-c", "import torch.distributed.fsdp"])
-    return venv_python(with_dir), venv_python(without_dir)
+    return {name: venv_python(path) for name, path in dirs.items()}
 
 
 # --- measurements -----------------------------------------------------------------------------
 
 
-def wall(argv) -> float:
+def timed_run(argv) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of one run. CPU is the child's user + system time as the kernel
+    accounted it: unlike the wall clock, it does not count the time the child waited for a core,
+    which dominates a 20 ms process on a loaded machine."""
     start = time.perf_counter()
-    subprocess.run([str(a) for a in argv], env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    child = subprocess.Popen([str(a) for a in argv], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
+    elapsed = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, [str(a) for a in argv])
+    return elapsed, usage.ru_utime + usage.ru_stime
 
 
-def side_by_side(pythons: dict[str, Path], code: str, rounds: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in pythons}
-    names = list(pythons)
+def alternating(names: list[str], rounds: int):
+    """Each round runs every venv once, the order rotating, so that machine noise hits all alike."""
     for i in range(rounds):
-        for name in names if i % 2 == 0 else names[::-1]:
-            times[name].append(wall([pythons[name], "-c", code]))
+        k = i % len(names)
+        yield from names[k:] + names[:k]
+
+
+def side_by_side(pythons: dict[str, Path], code: str, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """{"wall": {venv: seconds per run}, "cpu": {venv: seconds per run}}."""
+    times: dict[str, dict[str, list[float]]] = {"wall": {n: [] for n in pythons}, "cpu": {n: [] for n in pythons}}
+    for name in alternating(list(pythons), rounds):
+        elapsed, cpu = timed_run([pythons[name], "-c", code])
+        times["wall"][name].append(elapsed)
+        times["cpu"][name].append(cpu)
+    return times
+
+
+# Everything site does at start-up (find the venv, add site-packages, read and run every .pth),
+# timed inside the interpreter in CPU time (the wall clock of 2 ms jumps to 10 ms whenever the
+# process is preempted on a loaded machine): what a .pth costs, without process creation and exit.
+SITE_MAIN = "import site, time; start = time.process_time(); site.main(); print(time.process_time() - start)"
+
+
+def site_main_times(pythons: dict[str, Path], rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in pythons}
+    for name in alternating(list(pythons), rounds):
+        times[name].append(float(sh([pythons[name], "-S", "-c", SITE_MAIN]).stdout.strip().splitlines()[-1]))
     return times
 
 
@@ -133,14 +176,15 @@ def modules_after(python: Path, code: str) -> list[str]:
 
 
 def bootstrap_import_ms(python: Path, rounds: int) -> float:
-    """Cumulative -X importtime of the top-level modules the .pth imports (fsdp_autopatch*)."""
+    """Cumulative -X importtime of the top-level modules the .pth imports (fsdp_autopatch*,
+    _fsdp_autopatch*)."""
     values = []
     for _ in range(rounds):
         err = sh([python, "-X", "importtime", "-c", "pass"]).stderr
         ours = []  # (indent, cumulative us) of our modules; the least indented ones hold the rest
         for line in err.splitlines():
             m = re.match(r"import time:\s+\d+ \|\s+(\d+) \|( *)(\S+)$", line)
-            if m and m.group(3).startswith("fsdp_autopatch"):
+            if m and m.group(3).lstrip("_").startswith("fsdp_autopatch"):
                 ours.append((len(m.group(2)), int(m.group(1))))
         top = min((indent for indent, _ in ours), default=0)
         values.append(sum(us for indent, us in ours if indent == top) / 1e3)
@@ -169,7 +213,8 @@ original_register = _bootstrap.register_hook
 def register_then_wrap_hook():
     original_register()
     import wrapt.importer as importer  # benchmark only: wrap the hook wrapt will call
-    hooks = importer._post_import_hooks.get(_bootstrap.HOOK_TARGET, [])
+    from fsdp_autopatch._process import HOOK_TARGET
+    hooks = importer._post_import_hooks.get(HOOK_TARGET, [])
     hooks[:] = [timed("fire", hook) for hook in hooks]
 _bootstrap.register_hook = timed("arm", register_then_wrap_hook)
 import importlib
@@ -217,7 +262,7 @@ def activation(pythons: dict[str, Path], target: str, args) -> dict:
     with_py, without_py = pythons["with plugin"], pythons["without plugin"]
     code = f"import {target}"
     # wall clock, alternating
-    times = side_by_side(pythons, code, args.torch_rounds)
+    times = side_by_side(pythons, code, args.torch_rounds)["wall"]
     med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
     baseline = set(modules_after(without_py, code))
     # in-process: the hook's time, gross (as it happens) and net (with the standard library modules
@@ -258,6 +303,34 @@ def activation(pythons: dict[str, Path], target: str, args) -> dict:
     return a
 
 
+def startup(pythons: dict[str, Path], args) -> dict:
+    """``python -c pass`` in every venv, alternating: wall clock, CPU time, and ``site.main()``."""
+    without = pythons["without plugin"]
+    baseline_modules = set(modules_after(without, "pass"))
+    added = {name: sorted(set(modules_after(py, "pass")) - baseline_modules) for name, py in pythons.items() if py != without}
+    times = side_by_side(pythons, "pass", args.rounds)
+    times["site.main() cpu"] = site_main_times(pythons, args.rounds)
+    result: dict = {"rounds": args.rounds, "modules_added": added,
+                    "bootstrap_import_ms": {name: bootstrap_import_ms(pythons[name], 9) for name in added}}
+    print(f"python -c pass ({args.rounds} alternating runs per venv; site.main() timed in-process under -S)")
+    for metric, per_venv in times.items():
+        result[metric] = {}
+        print(f"  {metric}")
+        for stat, of in (("median", statistics.median), ("p10", lambda v: statistics.quantiles(v, n=10)[0])):
+            # p10: the runs least disturbed by the rest of the machine
+            value = {name: of(values) * 1e3 for name, values in per_venv.items()}
+            base = value["without plugin"]
+            result[metric][stat] = {"ms": value, "ratio": {n: v / base for n, v in value.items()},
+                                    "added_us": {n: (v - base) * 1e3 for n, v in value.items()}}
+            for name, ms in value.items():
+                versus = "" if name == "without plugin" else f"  ratio {ms / base:.3f} ({(ms - base) * 1e3:+.0f} µs)"
+                print(f"    {stat:<6} {name:<21} {ms:7.2f} ms{versus}")
+    for name in added:
+        print(f"  {name}: the .pth adds {', '.join(added[name]) or 'no module'} to sys.modules; "
+              f"their -X importtime {result['bootstrap_import_ms'][name] * 1e3:.0f} µs")
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venvs", type=Path, default=ROOT / ".artifacts" / "bench")
@@ -265,30 +338,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=40, help="python -c pass runs per venv")
     parser.add_argument("--torch-rounds", type=int, default=10, help="import torch.distributed.fsdp runs per venv")
     parser.add_argument("--probe-rounds", type=int, default=5, help="in-process hook timings (gross and net each)")
+    parser.add_argument("--startup-only", action="store_true", help="measure python -c pass only (~1 min)")
+    parser.add_argument("--baseline-wheel", type=Path,
+                        help="a third venv with this wheel (e.g. built from an earlier commit), measured alongside")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    with_py, without_py = ensure_venvs(args.venvs, args.torch_spec)
-    pythons = {"with plugin": with_py, "without plugin": without_py}
+    pythons = ensure_venvs(args.venvs, args.torch_spec, args.baseline_wheel)
     out: dict = {"torch_spec": args.torch_spec, "python": sys.version.split()[0]}
-
-    # start-up
-    added = sorted(set(modules_after(with_py, "pass")) - set(modules_after(without_py, "pass")))
-    times = side_by_side(pythons, "pass", args.rounds)
-    med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
-    out["startup"] = {"median_ms": med, "ratio": med["with plugin"] / med["without plugin"],
-                      "added_ms": med["with plugin"] - med["without plugin"], "rounds": args.rounds,
-                      "modules_added": added, "bootstrap_import_ms": bootstrap_import_ms(with_py, 9)}
-    s = out["startup"]
-    print(f"python -c pass ({args.rounds} alternating runs each)")
-    for name, value in med.items():
-        print(f"  {name:<16} median {value:7.2f} ms")
-    print(f"  ratio {s['ratio']:.3f} ({s['added_ms']:+.2f} ms); bootstrap's own import (-X importtime) "
-          f"{s['bootstrap_import_ms']:.2f} ms")
-    print(f"  modules the .pth adds to sys.modules: {', '.join(added) or 'none'}")
-
-    out["activation"] = activation(pythons, "torch.distributed.fsdp", args)
-    out["import_torch_only"] = activation(pythons, "torch", args)  # a process that never uses FSDP
+    out["startup"] = startup(pythons, args)
+    two = {name: pythons[name] for name in ("with plugin", "without plugin")}
+    if not args.startup_only:
+        out["activation"] = activation(two, "torch.distributed.fsdp", args)
+        out["import_torch_only"] = activation(two, "torch", args)  # a process that never uses FSDP
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0
