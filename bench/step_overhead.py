@@ -159,13 +159,22 @@ def _leftover_attributes(model) -> list[str]:
     return sorted(set(left))
 
 
+def _fired_counts() -> dict[str, int]:
+    """Per patch, how often it changed what torch would have done in this process so far (0 for all
+    on a plugin without ``PatchRecord.fired``)."""
+    import fsdp_autopatch
+
+    return {record.name: getattr(record, "fired", 0) for record in fsdp_autopatch.status().patches}
+
+
 def _wrapper_cost(model, one_step, case: str) -> dict:
     """A low-noise estimate of what the patches add to a step (patched variant active).
 
     Counts, during one step under ``sys.setprofile``, the calls of each patch's wrapper function,
     then times each wrapper around a no-op on the real FSDP objects of this model (``timeit``,
     best of 5) against the no-op alone; the estimate is the sum of calls x extra time per call.
-    For ``fill_on`` it adds the median time of the one int32 all-reduce of the usage flags.
+    For ``fill_on`` it adds the median time of the one int32 all-reduce of the usage flags. Where a
+    patch acts in the step (``PatchRecord.fired`` grew), it adds fires x the time of one fire.
     """
     import threading
     import timeit
@@ -192,6 +201,7 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
             if name is not None:
                 calls[name] += 1
 
+    fired_before = _fired_counts()
     sys.setprofile(profiler)
     threading.setprofile(profiler)
     try:
@@ -199,6 +209,9 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+    fired_after = _fired_counts()
+    fires = {name: fired_after[name] - fired_before.get(name, 0) for name in fired_after
+             if fired_after[name] > fired_before.get(name, 0)}
 
     root = model._get_fsdp_state()
     group = _compat.state_param_groups(model.blocks[0]._get_fsdp_state())[0]
@@ -242,6 +255,16 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
             group.reduce_grads = reduce_grads
     total = sum(calls[name] * max(cost[name], 0.0) for name in wrappers)
     result = {"calls_per_step": calls, "us_per_call": {k: v * 1e6 for k, v in cost.items()}}
+    # What a fire adds where a patch acts (the wrappers' timings above never reach that branch):
+    # the fired count, the logger's level check, and the "where" text the patch builds.
+    result["fires_per_step"] = fires
+    if fires:
+        from fsdp_autopatch import _events
+
+        one_fire = per_call(lambda: _events.fired(
+            "restore_unused_param_grads", "an exact-zero gradient", f"parameter {_events.param_names([fsdp_param])}"))
+        result["us_per_fire"] = one_fire * 1e6
+        total += sum(fires.values()) * one_fire
     if case == "fill_on":  # plus the one packed all-reduce of the usage flags (both ranks run this)
         import time
 
@@ -324,15 +347,20 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
             set_variant(variant)
             one_step()  # warm-up after a switch: not timed, not counted
             dist.barrier()
-            times = []
+            times, cpu_times = [], []
             counter.calls = {}
             for _ in range(steps):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 one_step()
                 times.append(time.perf_counter() - start)
+                # this rank's CPU time (all its threads): unlike the wall clock, it leaves out the
+                # time the rank waited for a core, which dominates on a loaded machine
+                cpu_times.append(time.process_time() - cpu_start)
             res = results[variant]
             res["times"] += times
+            res.setdefault("cpu_times", []).extend(cpu_times)
             res.setdefault("block_medians", []).append(statistics.median(times))
+            res.setdefault("cpu_block_medians", []).append(statistics.median(cpu_times))
             for name, per_pg in counter.calls.items():
                 for pg, calls in per_pg.items():
                     res["calls"].setdefault(name, {}).setdefault(pg, 0)
@@ -393,6 +421,8 @@ def summarize(case: str, result: dict) -> dict:
     on, off = statistics.median(patched["times"]), statistics.median(unpatched["times"])
     # paired: each patched block against the unpatched block next to it in time
     pairs = [a / b for a, b in zip(patched.get("block_medians", []), unpatched.get("block_medians", []))]
+    cpu_on, cpu_off = (statistics.median(v.get("cpu_times") or [float("nan")]) for v in (patched, unpatched))
+    cpu_pairs = [a / b for a, b in zip(patched.get("cpu_block_medians", []), unpatched.get("cpu_block_medians", []))]
     calls_on = _per_step(patched["calls"], patched["steps_counted"])
     calls_off = _per_step(unpatched["calls"], unpatched["steps_counted"])
     extra = {n: calls_on.get(n, 0) - calls_off.get(n, 0) for n in sorted(set(calls_on) | set(calls_off))}
@@ -413,6 +443,10 @@ def summarize(case: str, result: dict) -> dict:
         "ratio": on / off,
         "paired_block_ratio_median": statistics.median(pairs) if pairs else None,
         "paired_block_ratio_quartiles": statistics.quantiles(pairs, n=4) if len(pairs) > 1 else None,
+        "cpu_median_ms": [cpu_on * 1e3, cpu_off * 1e3],
+        "cpu_ratio": cpu_on / cpu_off,
+        "cpu_paired_block_ratio_median": statistics.median(cpu_pairs) if cpu_pairs else None,
+        "cpu_paired_block_ratio_quartiles": statistics.quantiles(cpu_pairs, n=4) if len(cpu_pairs) > 1 else None,
         "collectives_per_step_in_backward": {"patched": calls_on, "unpatched": calls_off, "extra": extra},
         "process_groups_with_extra_all_reduce": len(extra_pgs),
         "wrapper_cost": result.get("wrapper_cost"),
@@ -425,6 +459,14 @@ def summarize(case: str, result: dict) -> dict:
     }
 
 
+def _fires_text(w: dict) -> str:
+    fires = w.get("fires_per_step")
+    if not fires:
+        return ""
+    per_patch = ", ".join(f"{name} {count}" for name, count in fires.items())
+    return f", fires {sum(fires.values())} x {w['us_per_fire']:.2f} ({per_patch})"
+
+
 def print_summary(s: dict) -> None:
     on, off = s["median_ms"]
     print(f"{s['case']}: {s['units']} FSDP units, {s['params']} parameters, {s['micro_batches']} micro-batch(es)/step, "
@@ -434,12 +476,20 @@ def print_summary(s: dict) -> None:
     if s["paired_block_ratio_quartiles"]:
         q1, q2, q3 = s["paired_block_ratio_quartiles"]
         print(f"  paired blocks: median ratio {s['paired_block_ratio_median']:.4f} (quartiles {q1:.4f} / {q3:.4f})")
+    cpu_on, cpu_off = s["cpu_median_ms"]
+    print(f"  CPU time per step (rank 0, all threads): patched {cpu_on:.2f} ms, unpatched {cpu_off:.2f} ms, "
+          f"ratio {s['cpu_ratio']:.4f}")
+    if s["cpu_paired_block_ratio_quartiles"]:
+        q1, _, q3 = s["cpu_paired_block_ratio_quartiles"]
+        print(f"  CPU, paired blocks: median ratio {s['cpu_paired_block_ratio_median']:.4f} "
+              f"(quartiles {q1:.4f} / {q3:.4f})")
     if s.get("wrapper_cost"):
         w = s["wrapper_cost"]
         print(f"  estimate (calls/step x us/call): {w['us_per_step']:.1f} us per step = "
               f"{s['wrapper_cost_fraction']:.3%} of the unpatched step; "
               + ", ".join(f"{k} {w['calls_per_step'][k]} x {w['us_per_call'][k]:.2f}" for k in w["calls_per_step"])
-              + (f", flag all-reduce 1 x {w['flag_all_reduce_us']:.0f}" if "flag_all_reduce_us" in w else ""))
+              + (f", flag all-reduce 1 x {w['flag_all_reduce_us']:.0f}" if "flag_all_reduce_us" in w else "")
+              + _fires_text(w))
     calls = s["collectives_per_step_in_backward"]
     for name in sorted(calls["extra"]):
         print(f"  {name:<22} per step in backward: patched {calls['patched'].get(name, 0):5.1f}  "
@@ -487,6 +537,8 @@ def main() -> int:
                     )
                     have["times"] += got["times"]
                     have.setdefault("block_medians", []).extend(got.get("block_medians", []))
+                    have.setdefault("cpu_times", []).extend(got.get("cpu_times", []))
+                    have.setdefault("cpu_block_medians", []).extend(got.get("cpu_block_medians", []))
                     have["steps_counted"] += got["steps_counted"]
                     have["leftover"] = sorted(set(have["leftover"]) | set(got["leftover"]))
                     for name, per_pg in got["calls"].items():
