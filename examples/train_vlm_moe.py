@@ -121,6 +121,9 @@ def main() -> int:
         "fsdp_autopatch_applied": applied_by_the_plugin(),
         "torch": torch.__version__,
     }), flush=True)
+    # Every rank past its last collective before any tears gloo down: a rank that exits while
+    # its peer still talks to it can abort in gloo's teardown ("terminate called ...").
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if not problems else 1
 

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from . import _process
 from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchStatus, StatusReport
 from ._version import __version__
@@ -79,8 +80,10 @@ def _import_fsdp2() -> None:
 
 
 def _mark_pending_unsupported(reason: str) -> None:
-    """FSDP2 cannot be imported here: every patch still pending can never apply."""
-    REGISTRY.settle_pending(PatchStatus.UNSUPPORTED, reason)
+    """FSDP2 cannot be imported here: every patch still pending can never apply. (Without torch at
+    all the registry's snapshot already says "torch is not installed".)"""
+    if _process.torch_version() is not None:
+        REGISTRY.settle_pending(PatchStatus.UNSUPPORTED, reason)
 
 
 def format_table(report: StatusReport) -> str:

@@ -102,7 +102,7 @@ def _startup_file() -> Finding:
         path = os.path.join(found[0], PTH_NAME)
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
-        if "fsdp_autopatch._bootstrap" not in text:
+        if _process.BOOTSTRAP not in text:
             return Finding(
                 "startup file", PROBLEM, f"{path} does not start fsdp_autopatch's bootstrap",
                 f"reinstall: {sys.executable} -m pip install --force-reinstall fsdp-autopatch",

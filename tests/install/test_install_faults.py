@@ -278,13 +278,13 @@ INTERNALS = {
         "_fsdp_param",
         """
         def to_accumulated_grad_if_needed(self, *args, **kwargs):
-            return None  # a rewrite that no longer reads the lazily created attribute
+            return None  # a rewrite that does not read the lazily created attribute
         module.FSDPParam.to_accumulated_grad_if_needed = to_accumulated_grad_if_needed
         """,
         {},
         expect(accumulated_grad_guard="unsupported"),
         (),
-        {"accumulated_grad_guard": "no longer reads _unsharded_param"},
+        {"accumulated_grad_guard": "does not read _unsharded_param"},
     ),
     "foreach-reduce-other-signature": (
         "_fsdp_collectives",
