@@ -70,7 +70,8 @@ def test_the_example_applies_after_the_builtin_patches_with_its_provider(tmp_pat
     assert record["provider"] == PROVIDER
     assert record["env"] == "FSDP_AUTOPATCH_POST_BACKWARD_CENSUS_ENABLED"
     # it wraps FSDPParamGroup.post_backward too: the registry says it composes
-    assert "post_backward (over restore_unused_param_grads's wrapper)" in record["reason"], record
+    assert "FSDPParamGroup.post_backward (over " in record["reason"], record
+    assert "restore_unused_param_grads's wrapper)" in record["reason"], record  # (2.6-2.12: and the backport's)
     assert all(data["patches"][name]["provider"] is None for name in names[:-1])
 
 
@@ -95,7 +96,7 @@ def test_a_broken_patch_is_recorded_and_breaks_nothing(tmp_path):
     record = data["patches"]["post_backward_census"]
     assert record["status"] == "failed", record
     assert record["reason"] == f"loading the patch failed in {PROVIDER}: ImportError: injected by the test"
-    assert data["patches"]["uniform_reduce_dtype"]["status"] == "applied"
+    assert data["patches"]["restore_unused_param_grads"]["status"] == "applied"  # on every release
 
 
 def test_strict_re_raises_a_broken_patch(tmp_path):
@@ -109,7 +110,7 @@ def test_a_name_of_a_builtin_patch_is_refused(tmp_path):
     )
     data = run(tmp_path)
     assert data["patches"]["uniform_reduce_dtype"]["provider"] is None
-    assert data["patches"]["uniform_reduce_dtype"]["status"] == "applied"
+    assert data["patches"]["uniform_reduce_dtype"]["status"] != "failed"  # applied, or not_needed on 2.15
     refused = data["patches"]["evil-dist:uniform_reduce_dtype"]
     assert refused["status"] == "failed" and refused["provider"] == "evil-dist 0.1.0"
     builtin = "the name 'uniform_reduce_dtype' is a built-in patch or policy of fsdp-autopatch"
