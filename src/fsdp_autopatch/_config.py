@@ -11,8 +11,6 @@ Precedence for one patch: ``FSDP_AUTOPATCH_ENABLED`` (kill switch) > ``FSDP_AUTO
 import os
 import sys
 
-from .patches import PATCH_NAMES  # stdlib only: the catalogue's names, no patch code
-
 # The bootstrap imports this module at interpreter start when FSDP_AUTOPATCH_ENABLED is set, where
 # it may load nothing outside this package: so no `typing` (TYPE_CHECKING is False at run time) and
 # no `from __future__ import annotations` (that statement imports the `__future__` module, ~0.3 ms and one more entry in
@@ -177,12 +175,17 @@ class Settings:
 def read_settings(
     environ: "Mapping[str, str]" = os.environ,
     warn: "Callable[[str, str], None]" = warn,
-    names: "tuple[str, ...]" = PATCH_NAMES,
+    names: "tuple[str, ...] | None" = None,
 ) -> Settings:
     """Read every ``FSDP_AUTOPATCH_*`` variable; bad values keep their default and warn once.
 
-    ``names``: every patch to decide, the built-in ones and those other distributions declare.
+    ``names``: every patch to decide, the built-in ones and those other distributions declare
+    (default: the built-in ones).
     """
+    if names is None:
+        # Here, not at the top: with the kill switch set, interpreter start imports this module
+        # and needs none of the catalogue.
+        from .patches import PATCH_NAMES as names
     enabled = _read_bool(environ, KILL_SWITCH, True, warn)
     disabled_list = _read_disabled_list(environ, warn, names)
     patches = {}
@@ -264,14 +267,14 @@ def _read_log_level(environ, warn) -> "str | None":
     return level
 
 
-def _known_variables(names=PATCH_NAMES) -> "frozenset[str]":
+def _known_variables(names) -> "frozenset[str]":
     return frozenset(
         {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, REDUCE_SCATTER_UNUSED_PARAMS, CROSS_RANK_CHECK, THIRD_PARTY}
         | {patch_env_var(name) for name in names}
     )
 
 
-def _warn_unknown_variables(environ, warn, names=PATCH_NAMES) -> None:
+def _warn_unknown_variables(environ, warn, names) -> None:
     known = _known_variables(names)
     for variable in environ:
         if not variable.startswith(PREFIX) or variable in known:

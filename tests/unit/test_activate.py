@@ -5,9 +5,9 @@ from packaging.version import Version
 
 import fsdp_autopatch.patches as patches_package
 from fsdp_autopatch import _activate, _compat, _patching
-from fsdp_autopatch._config import PATCH_NAMES
 from fsdp_autopatch._registry import PatchStatus, Registry
 from fsdp_autopatch._spec import Add, Patch, needed, not_needed, unsupported
+from fsdp_autopatch.patches import PATCH_NAMES
 
 
 class Internals:

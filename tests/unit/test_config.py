@@ -3,7 +3,8 @@
 import pytest
 
 from fsdp_autopatch import _config
-from fsdp_autopatch._config import PATCH_NAMES, Decision, parse_bool, patch_env_var, read_settings
+from fsdp_autopatch._config import Decision, parse_bool, patch_env_var, read_settings
+from fsdp_autopatch.patches import PATCH_NAMES
 
 
 class Warnings:

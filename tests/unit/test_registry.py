@@ -6,8 +6,8 @@ import json
 import pytest
 
 from fsdp_autopatch import _bootstrap
-from fsdp_autopatch._config import PATCH_NAMES
 from fsdp_autopatch._registry import PatchStatus, Registry, StatusReport
+from fsdp_autopatch.patches import PATCH_NAMES
 
 # Without torch a patch can never leave "pending", so the snapshot reports it as unsupported
 # ("torch is not installed"); scripts/interpreters.py runs these tests in venvs without torch.
