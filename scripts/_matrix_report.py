@@ -90,12 +90,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         "`tests/expected.py` says for the release) and with the plugin active (*on*; *correct*: the values "
         "equal a single-process reference, `grad is None` and weights unchanged where they must be)):",
         "",
-        "| torch | (a) guard | (b) unused-param reduction | (c) uniform reduce dtype | (d) restore unused grads |",
-        "|---|---|---|---|---|",
     ]
-    for r in results:
-        torch_version = r.get("registry", {}).get("torch", r["release"])
-        lines.append(f"| {torch_version} | " + " | ".join(bug_cell(r, b) for b in "abcd") + " |")
+    for patches in _columns_of(EXPECTED.PATCHES, BUG_COLUMNS_PER_TABLE):
+        lines += bug_table(results, patches)
     for r in results:
         for text in r.get("tests", {}).get("bugs", {}).get("note", {}).get("on", []):
             lines += ["", f"Note on torch {r.get('registry', {}).get('torch', r['release'])}: {text}"]
@@ -103,6 +100,26 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines += ["", "All releases match their expectations." if not problems else
               "Releases that do NOT match: " + ", ".join(r["release"] for r in problems)]
     return "\n".join(lines) + "\n"
+
+
+BUG_COLUMNS_PER_TABLE = 4  # eight bugs side by side would not fit a page: tables of four
+
+
+def _columns_of(items, width):
+    return [items[i : i + width] for i in range(0, len(items), width)]
+
+
+def bug_table(results: list[dict], patches) -> list[str]:
+    """One markdown table: a row per release, a column per patch's bug (``(a) accumulated_grad_guard``)."""
+    bugs = [EXPECTED.BUG_OF[p] for p in patches]
+    lines = [
+        "| torch | " + " | ".join(f"({EXPECTED.BUG_OF[p]}) `{p}`" for p in patches) + " |",
+        "|---|" + "---|" * len(patches),
+    ]
+    for r in results:
+        torch_version = r.get("registry", {}).get("torch", r["release"])
+        lines.append(f"| {torch_version} | " + " | ".join(bug_cell(r, b) for b in bugs) + " |")
+    return lines + [""]
 
 
 def update_docs(table: str, begin: str = BEGIN, end: str = END) -> None:

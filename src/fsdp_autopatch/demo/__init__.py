@@ -72,10 +72,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._bugs import BUG_SHOWS, demo_bug
 from ._report import demo_patched, demo_without_patches
 from ._scenarios import RUN_TIMEOUT_S, SCENARIOS
 
-__all__ = ["main", "demo_patched", "demo_without_patches"]
+__all__ = ["main", "demo_bug", "demo_patched", "demo_without_patches"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--without-patches", action="store_true",
                         help="reproduce each bug with its patch disabled "
                              "(exit 0 if all four reproduce)")
+    parser.add_argument("--bug", choices=sorted(BUG_SHOWS), metavar="NAME",
+                        help="one bug's own small run, without its patch then with it: "
+                             + ", ".join(BUG_SHOWS))
     parser.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S,
                         help=f"seconds before a sub-run's ranks are killed (default {RUN_TIMEOUT_S:g})")
     # Internal: the rank processes the demo launches.
@@ -102,10 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
         # Only a rank process imports the rank side (it is never imported by the parent).
+        if args.bug:
+            from ._bug_ranks import bug_worker_main
+
+            return bug_worker_main(args.bug, args.rank, args.out, args.deadline)
         from ._worker import worker_main
 
         return worker_main(args.scenario, args.rank, args.out, args.deadline)
     try:
+        if args.bug:
+            return demo_bug(args.bug, args.timeout)
         if args.without_patches:
             return demo_without_patches(args.timeout)
         return demo_patched(args.timeout)

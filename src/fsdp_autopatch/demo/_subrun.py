@@ -80,39 +80,41 @@ def _native_error(output: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def run_scenario(scenario: Scenario, timeout_s: float = RUN_TIMEOUT_S) -> RunResult:
-    """Run one two-rank sub-run of ``scenario`` and collect both ranks' reports.
+def run_scenario(scenario: Scenario, timeout_s: float = RUN_TIMEOUT_S, bug: str = "",
+                 world_size: int = WORLD_SIZE) -> RunResult:
+    """Run one sub-run of ``scenario`` (the demo's training, or ``bug``'s show) and collect the
+    ranks' reports.
 
     The free port is only reserved until the parent closes its probe socket; on a busy machine
     another process can take it before rank 0's store binds it. That run is simply retried.
     """
     return retry_on_taken_port(
-        lambda port: _run_once(scenario, timeout_s, port),
+        lambda port: _run_once(scenario, timeout_s, port, bug, world_size),
         lambda result: any(port_taken(f.text) for f in result.failures()),
         attempts=3,
     )
 
 
-def _worker_command(scenario: Scenario, rank: int, out_dir: str, timeout_s: float) -> list[str]:
-    return [sys.executable, "-m", "fsdp_autopatch.demo", "--worker",
-            "--scenario", scenario.key, "--rank", str(rank), "--out", out_dir,
-            "--deadline", str(timeout_s + 10)]
+def _worker_command(scenario: Scenario, rank: int, out_dir: str, timeout_s: float, bug: str) -> list[str]:
+    what = ["--bug", bug] if bug else ["--scenario", scenario.key]
+    return [sys.executable, "-m", "fsdp_autopatch.demo", "--worker", *what,
+            "--rank", str(rank), "--out", out_dir, "--deadline", str(timeout_s + 10)]
 
 
-def _run_once(scenario: Scenario, timeout_s: float, port: int) -> RunResult:
+def _run_once(scenario: Scenario, timeout_s: float, port: int, bug: str, world_size: int) -> RunResult:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fsdp-autopatch-demo-") as tmp:
         out = Path(tmp)
         run = launch(
-            lambda rank: _worker_command(scenario, rank, tmp, timeout_s),
-            world_size=WORLD_SIZE, port=port, logs=out, timeout_s=timeout_s,
+            lambda rank: _worker_command(scenario, rank, tmp, timeout_s, bug),
+            world_size=world_size, port=port, logs=out, timeout_s=timeout_s,
             env=scenario.env, keep=KEEP_ENV, fail_grace_s=FAIL_GRACE_S, merge_stderr=True,
             tail_chars=None, tail_lines=OUTPUT_TAIL_LINES)
         ranks = []
-        for rank in range(WORLD_SIZE):
+        for rank in range(world_size):
             report = out / f"rank{rank}.json"
             ranks.append(json.loads(report.read_text()) if report.exists() else None)
-        wheres = [_read(out / f"rank{rank}.where") or "startup" for rank in range(WORLD_SIZE)]
+        wheres = [_read(out / f"rank{rank}.where") or "startup" for rank in range(world_size)]
     # The demo stopped waiting (its timeout, or the grace after a failed rank) iff it killed a rank.
     return RunResult(scenario, time.monotonic() - start, [r.returncode for r in run.ranks], ranks,
                      [r.stdout for r in run.ranks], run.killed, wheres, bool(run.killed), timeout_s)

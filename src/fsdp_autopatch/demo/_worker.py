@@ -49,7 +49,7 @@ class Progress:
         self.path.write_text(where)
 
 
-def _start_watchdogs(deadline_s: float) -> None:
+def start_watchdogs(deadline_s: float) -> None:
     """Exit if the demo's parent dies or the run overstays its budget: never leave an orphan."""
     parent = os.getppid()
     started = time.monotonic()
@@ -216,13 +216,18 @@ def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[st
 
 def worker_main(scenario_key: str, rank: int, out_dir: str, deadline_s: float) -> int:
     """Run one rank of ``scenario_key`` and write its report; exits the process (never returns)."""
-    _start_watchdogs(deadline_s)
+    start_watchdogs(deadline_s)
     scenario = SCENARIOS[scenario_key]
     progress = Progress(Path(out_dir) / f"rank{rank}.where")
+    return run_reported(lambda result: _run_rank(scenario, rank, progress, result), rank, out_dir, progress)
+
+
+def run_reported(body, rank: int, out_dir: str, progress: Progress) -> int:
+    """Run ``body(result)``, write ``<out_dir>/rank<r>.json`` (its result or its error), exit."""
     result: dict[str, Any] = {"rank": rank, "error": None}
     code = 0
     try:
-        _run_rank(scenario, rank, progress, result)
+        body(result)
     except BaseException as exc:  # report every failure, including a gloo error, to the parent
         result["error"] = {
             "type": type(exc).__name__,

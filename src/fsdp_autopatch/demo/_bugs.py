@@ -1,0 +1,83 @@
+"""``fsdp-autopatch demo --bug NAME``: one bug's smallest training, without its patch, then with it.
+
+The four patches added after the demo's model (see the package docstring) each need a model of
+their own, so each has its own short run (``_bug_ranks``): a sub-run with only that patch disabled
+(``FSDP_AUTOPATCH_<NAME>_ENABLED=0``) shows the failure or the wrong value, a sub-run with the
+plugin as installed shows the right value. Both are bounded by the demo's timeouts. Stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._scenarios import RUN_TIMEOUT_S, Scenario
+from ._subrun import RunResult, describe_failure, one_line, run_scenario
+
+
+@dataclass(frozen=True)
+class BugShow:
+    name: str
+    world_size: int
+    what: str  # the run, in one line
+
+
+BUG_SHOWS = {
+    show.name: show
+    for show in (
+        BugShow("post_forward_mesh_cache", 4,
+                "8 Linear units + root, reshard_after_forward=2 on a 4-rank mesh; one backward"),
+        BugShow("grouped_module_reuse", 2,
+                "a grouped unit fully_shard([norm, head]) whose head runs again for an auxiliary "
+                "output kept on a module attribute; one backward"),
+        BugShow("keep_param_attributes", 2,
+                "parameters marked no_weight_decay / tagged before fully_shard; AdamW groups built "
+                "from the marks; one step"),
+        BugShow("clip_grad_norm_multi_mesh", 2,
+                "a dense layer on a ('dp',) mesh and an expert on an ('edp',) mesh over the same "
+                "ranks; clip_grad_norm_"),
+    )
+}
+
+
+def _variable(name: str) -> str:
+    return f"FSDP_AUTOPATCH_{name.upper()}_ENABLED"
+
+
+def _run(show: BugShow, patched: bool, timeout_s: float) -> RunResult:
+    env = {} if patched else {_variable(show.name): "0"}
+    title = "plugin as installed" if patched else f"{_variable(show.name)}=0"
+    scenario = Scenario(f"bug:{show.name}", title, env=env, patch=show.name)
+    return run_scenario(scenario, timeout_s, bug=show.name, world_size=show.world_size)
+
+
+def _outcome(result: RunResult) -> tuple[bool, str]:
+    """(right, what happened) of one sub-run, from rank 0's report or the first failure."""
+    rank0 = result.rank0
+    if "right" in rank0 and not result.failures():
+        return bool(rank0["right"]), rank0["value"]
+    return False, describe_failure(result)
+
+
+def _status_line(result: RunResult) -> str:
+    status = result.rank0.get("status") or {}
+    if not status:
+        return "registry unavailable"
+    return f"{status.get('status', '?')} ({one_line(status.get('reason', ''), 120)})"
+
+
+def demo_bug(name: str, timeout_s: float = RUN_TIMEOUT_S) -> int:
+    """Exit 0 when the patched run gives the right value (whether or not this torch still has the bug)."""
+    show = BUG_SHOWS[name]
+    print(f"fsdp-autopatch demo --bug {name}: {show.world_size} CPU ranks (gloo)")
+    print(f"  run: {show.what}")
+    off, on = _run(show, False, timeout_s), _run(show, True, timeout_s)
+    declared = on.rank0.get("declared") or off.rank0.get("declared") or {}
+    if declared:
+        print(f"  bug: {declared['symptom']} (upstream: {declared['upstream']})")
+    off_right, off_text = _outcome(off)
+    on_right, on_text = _outcome(on)
+    label = "right: this torch does not have the bug" if off_right else "REPRODUCED"
+    print(f"\nwithout the patch [{off.seconds:.1f} s]: {off_text}\n==> {label}")
+    print(f"\nwith the patch [{on.seconds:.1f} s], {_status_line(on)}: {on_text}")
+    print(f"==> {'right' if on_right else 'WRONG'}" + (f": {declared['summary']}" if on_right and declared else ""))
+    return 0 if on_right else 1
