@@ -1,0 +1,42 @@
+"""``fsdp-autopatch demo --bug NAME``: each new bug's own run shows the failure without its patch
+(or the right value where this torch has no bug, as ``tests/expected.py`` says) and the right value
+with it, and exits 0. Runs the demo as a user would, in a subprocess with an outer timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import _dist_checks as ck
+
+pytestmark = pytest.mark.timeout(200)
+
+BUGS = ("post_forward_mesh_cache", "grouped_module_reuse", "keep_param_attributes", "clip_grad_norm_multi_mesh")
+SUB_RUN_TIMEOUT_S = 60  # the demo kills a sub-run's ranks after this
+OUTER_TIMEOUT_S = 2 * SUB_RUN_TIMEOUT_S + 30
+
+
+def _demo_bug(name: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_autopatch", "demo", "--bug", name, "--timeout", str(SUB_RUN_TIMEOUT_S)],
+        capture_output=True, text=True, timeout=OUTER_TIMEOUT_S, env=env,
+    )
+
+
+@pytest.mark.parametrize("name", BUGS)
+def test_demo_bug_shows_the_failure_then_the_right_value(name):
+    run = _demo_bug(name)
+    out = run.stdout
+    assert run.returncode == 0, f"exit {run.returncode}\n{out}\n{run.stderr[-3000:]}"
+    without, _, with_patch = out.partition("with the patch")
+    if ck.UNPATCHED[ck.ex.BUG_OF[name]] == ck.ex.REPRODUCES:
+        assert "==> REPRODUCED" in without, out
+    else:
+        assert "==> right: this torch does not have the bug" in without, out
+    assert "\n==> right" in with_patch, out
+    assert f"demo --bug {name}" in out and "upstream:" in out, out
