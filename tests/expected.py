@@ -22,6 +22,9 @@ PATCHES = (
     "unused_param_reduction",
     "uniform_reduce_dtype",
     "restore_unused_param_grads",
+    "post_forward_mesh_cache",
+    "grouped_module_reuse",
+    "keep_param_attributes",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -29,6 +32,9 @@ BUG_OF = {
     "unused_param_reduction": "b",
     "uniform_reduce_dtype": "c",
     "restore_unused_param_grads": "d",
+    "post_forward_mesh_cache": "e",
+    "grouped_module_reuse": "f",
+    "keep_param_attributes": "g",
 }
 
 OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
@@ -58,6 +64,12 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "uniform_reduce_dtype": "applied" if release < (2, 15) else "not_needed",
         # the fill exists everywhere: torch's own from 2.13, the backport before
         "restore_unused_param_grads": "applied",
+        # _get_post_forward_mesh_info builds a DeviceMesh per call in every release 2.6 - 2.15
+        "post_forward_mesh_cache": "applied",
+        # the root's force-complete of a partial group (PyTorch PR 180428) arrived in 2.13
+        "grouped_module_reuse": "applied" if release >= (2, 13) else "not_needed",
+        # every FSDP2 release installs new Parameters without the replaced one's __dict__
+        "keep_param_attributes": "applied",
     }
 
 
@@ -76,6 +88,16 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         "b": REPRODUCES if release < (2, 13) else FIXED,
         "c": REPRODUCES if release < (2, 15) else FIXED,
         "d": REPRODUCES,
+        # (e) measured on 2.8, 2.13 and 2.15 (4 gloo ranks, k=2: 8 units -> 16 process groups, 16 -> 32);
+        # read, not run: the same function in the wheels of 2.6, 2.7, 2.9.1, 2.10, 2.11, 2.12.1, 2.14.1
+        "e": REPRODUCES,
+        # (f) measured: fails on 2.13 and 2.15, right on 2.8; read: 2.14 has 2.13's group hooks and
+        # force-complete, 2.9 - 2.12 have no force-complete (2.8's shape), 2.6 / 2.7 predate it
+        "f": REPRODUCES if release >= (2, 13) else FIXED,
+        # (g) measured on 2.8, 2.13 and 2.15 (every attribute lost at fully_shard); read, not run: 2.14's
+        # FSDPParam._setattr_on_modules / _init_sharded_param and a trunk revision after 2.15 (the
+        # same code); 2.6, 2.7, 2.9 - 2.12 not read at their tags (the matrix measures 2.9 - 2.12).
+        "g": REPRODUCES,
     }
 
 

@@ -11,6 +11,12 @@ switchable by an environment variable, and a registry records what happened:
 * ``uniform_reduce_dtype``       – mixed-precision gradient accumulation does not trip "FSDP reduce-scatter expects
                                    uniform gradient dtype".
 * ``restore_unused_param_grads`` – a parameter that no rank used keeps `grad is None`.
+* ``post_forward_mesh_cache``    – units with the same mesh and an integer reshard_after_forward share one post-forward
+                                   mesh.
+* ``grouped_module_reuse``       – a grouped unit's module called again in the root's forward (MTP head) keeps its
+                                   weights for backward.
+* ``keep_param_attributes``      – attributes set on a parameter (`p.no_weight_decay = True`) are still there after
+                                   `fully_shard`.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

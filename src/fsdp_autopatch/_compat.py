@@ -154,6 +154,20 @@ def has_string_constant(func: Any, fragment: str) -> bool:
     return code is not None and any(isinstance(c, str) and fragment in c for c in code.co_consts)
 
 
+def nested_code(func: Any, name: str) -> Any:
+    """The code object of a function defined inside ``func`` (at any depth) under ``name``, or
+    None: a closure torch builds per call (a hook factory's inner hook) is only visible there."""
+    pending = [code_of(func)]
+    while pending:
+        code = pending.pop()
+        for const in code.co_consts if code is not None else ():
+            if isinstance(const, type(code)):
+                if const.co_name == name:
+                    return const
+                pending.append(const)
+    return None
+
+
 def first_parameters(func: Any, count: int) -> tuple[str, ...]:
     code = code_of(func)
     return tuple(code.co_varnames[:count]) if code is not None else ()

@@ -125,7 +125,7 @@ def test_activation_is_idempotent(monkeypatch, registry):
     install_fakes(monkeypatch, fakes)
     _activate.activate()
     _activate.activate()
-    assert [fake.applied for fake in fakes] == [1, 1, 1, 1]
+    assert [fake.applied for fake in fakes] == [1] * len(fakes)
 
 
 def test_verdicts_become_statuses(monkeypatch, registry):
@@ -159,7 +159,7 @@ def test_env_toggles_are_read_when_the_hook_runs(monkeypatch, registry):
     assert "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0" in report["uniform_reduce_dtype"].reason
     assert report["uniform_reduce_dtype"].variable == "FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED"
     assert report["restore_unused_param_grads"].variable is None  # the default decided
-    assert [fake.applied for fake in fakes] == [0, 1, 0, 1]
+    assert [fake.applied for fake in fakes] == [0, 1, 0] + [1] * (len(fakes) - 3)
 
 
 def test_broken_patch_package_fails_every_patch_without_raising(monkeypatch, registry):

@@ -18,6 +18,8 @@ import shutil
 import pytest
 from test_fault_injection import FAKE_TORCH, SRC, describe, run_child
 
+from fsdp_autopatch.patches import FIXES
+
 pytestmark = pytest.mark.timeout(300)
 
 INJECTED = "injected by the test"
@@ -33,6 +35,7 @@ HOOK_PATH = {
     "fsdp_autopatch.patches.unused_param_reduction": ("unused_param_reduction", "restore_unused_param_grads"),
     "fsdp_autopatch.patches.uniform_reduce_dtype": ("uniform_reduce_dtype",),
     "fsdp_autopatch.patches.restore_unused_param_grads": ("restore_unused_param_grads",),
+    "fsdp_autopatch.patches.grouped_module_reuse": ("grouped_module_reuse",),
     "fsdp_autopatch._consistency": "policy",
     "fsdp_autopatch._config": None,
     "fsdp_autopatch._registry": None,
@@ -43,7 +46,7 @@ HOOK_PATH = {
 # .pth arms nothing, and status says the bootstrap did not run. The package's __init__ failing
 # stops the hook when torch executes (caught there) and status cannot be asked.
 START_UP = ("fsdp_autopatch", "_fsdp_autopatch_bootstrap")
-PATCHES = ("accumulated_grad_guard", "unused_param_reduction", "uniform_reduce_dtype", "restore_unused_param_grads")
+PATCHES = FIXES
 
 PROGRAM = """
     import json, site, sys

@@ -16,6 +16,9 @@ FIXES = (
     "unused_param_reduction",
     "uniform_reduce_dtype",
     "restore_unused_param_grads",
+    "post_forward_mesh_cache",
+    "grouped_module_reuse",
+    "keep_param_attributes",
 )
 POLICIES = (
     "reduce_scatter_unused_params_default_on",
