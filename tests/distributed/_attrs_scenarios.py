@@ -166,6 +166,8 @@ def case_attrs(ctx: sc.Ctx, name: str, **shard_kwargs: Any) -> None:
         rec["stages"] = stages = {"before": snapshot(model)}
         shard_units(model, ctx.mesh, **shard_kwargs)
         stages["fully_shard"] = snapshot(model)
+        model.float()  # Module._apply: swap_tensors swaps a DTensor parameter's __dict__ away
+        stages["apply"] = snapshot(model)
         rec["strict_read"] = strict_read(model.norm.weight, "no_weight_decay")
         rec["init_params"] = sc.params_local(model)
         train_and_snapshot(ctx, model, rec)

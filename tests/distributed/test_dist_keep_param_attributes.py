@@ -10,8 +10,9 @@ again with ``CPUOffloadPolicy(pin_memory=False)``.
 * patch off: every attribute is gone after ``fully_shard`` (and stays gone), the decay group holds
   all 8 parameters instead of 4, and the weights move away from the reference;
 * patch on: the public, tensor-free marks are on the parameter the module shows after
-  ``fully_shard``, inside the grouped unit's forward (unsharded), after backward, each step,
-  ``unshard()`` and ``reshard()``; the weights equal the reference within 1e-5.
+  ``fully_shard``, after ``model.float()`` (``Module._apply``), inside the grouped unit's forward
+  (unsharded), after backward, each step, ``unshard()`` and ``reshard()``; the weights equal the
+  reference within 1e-5.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ BUG = "g"
 SCRIPT = HERE / "_attrs_scenarios.py"
 LAUNCH_TIMEOUT_S = 180.0
 CASES = ("default", "cpu_offload")
-STAGES = ("fully_shard", "forward", "backward", "step0", "step1", "unshard", "reshard")
+STAGES = ("fully_shard", "apply", "forward", "backward", "step0", "step1", "unshard", "reshard")
 NAMES = tuple(at.MARKS)
 REFERENCE_DECAY = sorted(n for n in NAMES if not at.MARKS[n].get("no_weight_decay"))
 MARKED = sum(1 for n in NAMES if at.expected_carried(n))  # parameters with something to carry

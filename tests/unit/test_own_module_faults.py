@@ -36,6 +36,8 @@ HOOK_PATH = {
     "fsdp_autopatch.patches.uniform_reduce_dtype": ("uniform_reduce_dtype",),
     "fsdp_autopatch.patches.restore_unused_param_grads": ("restore_unused_param_grads",),
     "fsdp_autopatch.patches.grouped_module_reuse": ("grouped_module_reuse",),
+    "fsdp_autopatch.patches.clip_grad_norm_multi_mesh": ("clip_grad_norm_multi_mesh",),
+    "fsdp_autopatch.patches.keep_param_attributes": ("keep_param_attributes",),
     "fsdp_autopatch._consistency": "policy",
     "fsdp_autopatch._config": None,
     "fsdp_autopatch._registry": None,

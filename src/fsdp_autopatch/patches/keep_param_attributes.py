@@ -14,7 +14,7 @@ The bug
 
 Torch versions
     Every FSDP2 release: measured on 2.8, 2.13 and 2.15 (every attribute lost); the same
-    ``_setattr_on_modules`` in 2.14 and in the PyTorch trunk read after 2.15.
+    ``FSDPParam`` swaps and ``FSDPModule._apply`` read in the 2.10.0 and 2.14.1 wheels.
 
 Needed here?
     ``FSDPParam._setattr_on_modules(self, param)`` installs a parameter through
@@ -45,13 +45,19 @@ What is carried, exactly
     (detached tensors) and parameters installed by ``load_state_dict(..., assign=True)``.
 
 The replacement
-    ``FSDPParam._setattr_on_modules`` wrapped (the one place FSDP2 installs a parameter on its
-    module and the modules sharing it): before torch installs ``param``, the parameter the
-    module still shows (``_module_info.module._parameters[param_name]``) is the one being
-    replaced, and its carried attributes are mirrored onto ``param``. A swap whose attributes
-    already match takes a fast path that compares object identities only. Values, gradients,
-    collectives and FSDP2's state are unchanged. The patch fires once per parameter, the first
-    time it carries a non-empty set of attributes.
+    * ``FSDPParam._setattr_on_modules`` wrapped (the one place FSDP2 installs a parameter on its
+      module and the modules sharing it): before torch installs ``param``, the parameter the
+      module still shows (``_module_info.module._parameters[param_name]``) is the one being
+      replaced, and its carried attributes are mirrored onto ``param``. A swap whose attributes
+      already match takes a fast path that compares object identities only. While Dynamo traces
+      FSDP2's hooks (``torch._dynamo.config.skip_fsdp_hooks = False``, an option 2.8 and 2.10
+      have and 2.13 no longer has) it steps aside.
+    * ``FSDPModule._apply`` wrapped (``model.to(...)``, ``.float()``, ``to_empty()``):
+      ``nn.Module._apply`` swaps a DTensor parameter's contents with ``torch.utils.swap_tensors``,
+      ``__dict__`` included; the unit's attributes are saved before and mirrored back after.
+    Values, gradients, collectives and FSDP2's state are unchanged. The patch fires once per
+    parameter, the first time it carries a non-empty set of attributes. It raises nothing of its
+    own: an attribute a parameter subclass refuses (a read-only slot) is left out.
 
 Disable with ``FSDP_AUTOPATCH_KEEP_PARAM_ATTRIBUTES_ENABLED=0``.
 """
@@ -66,6 +72,7 @@ from .. import _compat, _events
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 NAME = "keep_param_attributes"
+_FSDP2 = _compat.FSDP2_PACKAGE
 _SETTER = "_setattr_on_modules"
 _INIT = "_init_sharded_param"
 _SWAPS = ("to_sharded", "to_unsharded")  # the per-step swaps that must go through _SETTER
@@ -121,7 +128,8 @@ def holds_tensor(value: Any, depth: int = 2) -> bool:
 
 def is_carried(name: str, value: Any, target_class: type) -> bool:
     """Whether attribute ``name`` (holding ``value``) travels to a parameter of ``target_class``."""
-    return not name.startswith("_") and not hasattr(target_class, name) and not holds_tensor(value)
+    # cheapest first: this runs on every swap for a public tensor attribute such as main_grad
+    return not name.startswith("_") and not holds_tensor(value) and not hasattr(target_class, name)
 
 
 def carried_attributes(param: Any, target_class: type | None = None) -> dict[str, Any]:
@@ -133,12 +141,14 @@ def carried_attributes(param: Any, target_class: type | None = None) -> dict[str
 
 def _in_sync(source_attrs: dict, target_attrs: dict, target_class: type) -> bool:
     """Fast path (every swap after the first): each public entry of the source is the same object
-    on the target or is not carried, and every name carried earlier is still on the source."""
+    on the target or is not carried, and every name carried earlier still holds that object on the
+    source (not deleted, not replaced by a tensor)."""
+    missing = _MISSING
     for name, value in source_attrs.items():
-        if name[0] != "_" and target_attrs.get(name, _MISSING) is not value and is_carried(name, value, target_class):
+        if name[0] != "_" and target_attrs.get(name, missing) is not value and is_carried(name, value, target_class):
             return False
     for name in target_attrs.get(CARRIED_NAMES, ()):
-        if name not in source_attrs:
+        if source_attrs.get(name, missing) is not target_attrs.get(name, missing):
             return False
     return True
 
@@ -146,7 +156,12 @@ def _in_sync(source_attrs: dict, target_attrs: dict, target_class: type) -> bool
 def mirror_attributes(source: Any, target: Any) -> tuple[str, ...]:
     """Give ``target`` the carried attributes of ``source``; returns the names carried now (empty
     when nothing changed)."""
-    source_attrs, target_attrs, target_class = vars(source), vars(target), type(target)
+    return mirror_from(vars(source), target)
+
+
+def mirror_from(source_attrs: dict, target: Any) -> tuple[str, ...]:
+    """:func:`mirror_attributes` from a parameter's ``__dict__`` (or a copy of it)."""
+    target_attrs, target_class = vars(target), type(target)
     if _in_sync(source_attrs, target_attrs, target_class):
         return ()
     wanted = {name: value for name, value in source_attrs.items() if is_carried(name, value, target_class)}
@@ -167,7 +182,7 @@ def mirror_attributes(source: Any, target: Any) -> tuple[str, ...]:
     return tuple(carried)
 
 
-# --- the wrapper ----------------------------------------------------------------------------
+# --- the wrappers ---------------------------------------------------------------------------
 
 
 def _param_on_module(fsdp_param: Any) -> Any:
@@ -177,20 +192,50 @@ def _param_on_module(fsdp_param: Any) -> Any:
     return parameters.get(info.param_name) if parameters is not None else None
 
 
+def _shown_or_sharded(fsdp_param: Any) -> Any:
+    shown = _param_on_module(fsdp_param)
+    return fsdp_param.sharded_param if shown is None else shown
+
+
+def _carry(fsdp_param: Any, source_attrs: dict, target: Any, how: str) -> None:
+    carried = mirror_from(source_attrs, target)
+    if carried and not vars(fsdp_param).get(_FIRED):
+        fsdp_param.__dict__[_FIRED] = True
+        info = fsdp_param._module_info
+        _events.fired(
+            NAME,
+            f"the attributes {', '.join(carried)} dropped by {how}",
+            f"{type(info.module).__name__}.{info.param_name}",
+        )
+
+
 def _keep_attributes(wrapped, fsdp_param, args, kwargs):
+    if torch.compiler.is_compiling():
+        # Dynamo traces FSDP2's hooks (skip_fsdp_hooks=False, torch 2.8): vars() of a DTensor
+        # would break the graph. The sharded parameters got their attributes eagerly at
+        # fully_shard and keep them; only the unsharded one inside the compiled region lacks them.
+        return wrapped(*args, **kwargs)
     incoming = args[0] if args else kwargs.get("param")
     outgoing = _param_on_module(fsdp_param)
     if outgoing is not None and incoming is not None and outgoing is not incoming:
-        carried = mirror_attributes(outgoing, incoming)
-        if carried and not vars(fsdp_param).get(_FIRED):
-            fsdp_param.__dict__[_FIRED] = True
-            info = fsdp_param._module_info
-            _events.fired(
-                NAME,
-                f"the attributes {', '.join(carried)} dropped by the parameter swap",
-                f"{type(info.module).__name__}.{info.param_name}",
-            )
+        _carry(fsdp_param, vars(outgoing), incoming, "the parameter swap")
     return wrapped(*args, **kwargs)
+
+
+def _keep_attributes_across_apply(wrapped, module, args, kwargs):
+    # Module._apply (.to(), .float(), to_empty()) swaps a DTensor parameter's contents with
+    # torch.utils.swap_tensors, __dict__ included: the same object comes back without them.
+    fsdp_params = [p for group in _compat.state_param_groups(module._get_fsdp_state()) for p in group.fsdp_params]
+    saved = [(p, dict(vars(_shown_or_sharded(p)))) for p in fsdp_params]
+    result = wrapped(*args, **kwargs)
+    for fsdp_param, attributes in saved:
+        _carry(fsdp_param, attributes, fsdp_param.sharded_param, "Module._apply (to, float, to_empty)")
+    return result
+
+
+def _fsdp_module_has_apply() -> bool:
+    """FSDPModule overrides nn.Module._apply (to re-pad its shards) on every release read."""
+    return "_apply" in vars(_compat.fsdp_class("_fully_shard", "FSDPModule"))
 
 
 PATCH = Patch(
@@ -205,6 +250,9 @@ PATCH = Patch(
     # Every FSDP2 release installs new Parameters without the old __dict__ (2.8, 2.13, 2.15 measured).
     affected=">=2.6",
     check=_structural_check,
-    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_param:FSDPParam.{_SETTER}", _keep_attributes),),
-    changes="parameter swaps carry the replaced parameter's public, non-tensor attributes",
+    targets=(
+        Wrap(f"{_FSDP2}._fsdp_param:FSDPParam.{_SETTER}", _keep_attributes),
+        Wrap(f"{_FSDP2}._fully_shard:FSDPModule._apply", _keep_attributes_across_apply, when=_fsdp_module_has_apply),
+    ),
+    changes="parameter swaps and FSDPModule._apply carry the replaced parameter's public, non-tensor attributes",
 )
