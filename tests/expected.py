@@ -25,6 +25,7 @@ PATCHES = (
     "post_forward_mesh_cache",
     "grouped_module_reuse",
     "keep_param_attributes",
+    "clip_grad_norm_multi_mesh",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -35,6 +36,7 @@ BUG_OF = {
     "post_forward_mesh_cache": "e",
     "grouped_module_reuse": "f",
     "keep_param_attributes": "g",
+    "clip_grad_norm_multi_mesh": "h",
 }
 
 OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
@@ -70,6 +72,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "grouped_module_reuse": "applied" if release >= (2, 13) else "not_needed",
         # every FSDP2 release installs new Parameters without the replaced one's __dict__
         "keep_param_attributes": "applied",
+        # clip_grad's _get_total_norm stacks per-tensor norms without regard to DeviceMesh (2.8 - 2.15)
+        "clip_grad_norm_multi_mesh": "applied",
     }
 
 
@@ -94,10 +98,14 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (f) measured: fails on 2.13 and 2.15, right on 2.8; read: 2.14 has 2.13's group hooks and
         # force-complete, 2.9 - 2.12 have no force-complete (2.8's shape), 2.6 / 2.7 predate it
         "f": REPRODUCES if release >= (2, 13) else FIXED,
-        # (g) measured on 2.8, 2.13 and 2.15 (every attribute lost at fully_shard); read, not run: 2.14's
-        # FSDPParam._setattr_on_modules / _init_sharded_param and a trunk revision after 2.15 (the
-        # same code); 2.6, 2.7, 2.9 - 2.12 not read at their tags (the matrix measures 2.9 - 2.12).
+        # (g) measured on 2.8, 2.13 and 2.15 (every attribute lost at fully_shard); read, not run: the
+        # same FSDPParam._setattr_on_modules / _init_sharded_param in the 2.10.0 and 2.14.1 wheels;
+        # 2.6, 2.7, 2.9, 2.11, 2.12 not read.
         "g": REPRODUCES,
+        # (h) measured on 2.8, 2.13 and 2.15 (2 gloo ranks, ("dp",) + ("edp",) meshes: the stack
+        # error); read, not run: the same _get_total_norm in the 2.9.1, 2.10, 2.11, 2.12.1, 2.14.1
+        # wheels; 2.6 and 2.7 not read
+        "h": REPRODUCES,
     }
 
 

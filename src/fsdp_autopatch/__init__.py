@@ -17,6 +17,8 @@ switchable by an environment variable, and a registry records what happened:
                                    weights for backward.
 * ``keep_param_attributes``      – attributes set on a parameter (`p.no_weight_decay = True`) are still there after
                                    `fully_shard`.
+* ``clip_grad_norm_multi_mesh``  – clip_grad_norm_ works over gradients on several DeviceMeshes (experts + dense, HSDP +
+                                   1-D).
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

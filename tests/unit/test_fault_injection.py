@@ -298,7 +298,8 @@ def test_log_level_prints_only_what_was_asked(fake_torch):
     data = json_of(result)
     assert set(statuses(data["report"]).values()) == {"unsupported"}
     lines = result.stderr.splitlines()
-    assert len(lines) == len(PATCH_NAMES) and all(line.startswith("fsdp-autopatch INFO: ") for line in lines), describe(result)
+    assert len(lines) == len(PATCH_NAMES), describe(result)
+    assert all(line.startswith("fsdp-autopatch INFO: ") for line in lines), describe(result)
     assert [line.split()[2].rstrip(":") for line in lines] == list(PATCH_NAMES)
 
 

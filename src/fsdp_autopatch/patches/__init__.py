@@ -19,6 +19,7 @@ FIXES = (
     "post_forward_mesh_cache",
     "grouped_module_reuse",
     "keep_param_attributes",
+    "clip_grad_norm_multi_mesh",
 )
 POLICIES = (
     "reduce_scatter_unused_params_default_on",

@@ -1,0 +1,229 @@
+"""clip_grad_norm_multi_mesh: ``clip_grad_norm_`` over gradients on several DeviceMeshes.
+
+The bug
+    ``torch.nn.utils.clip_grad._get_total_norm`` groups gradients by (device, dtype), takes one norm
+    per gradient and ``torch.stack``s them. FSDP2 makes every gradient a DTensor on its unit's mesh;
+    with parameters on different meshes over the same ranks (dense on ``("dp",)``, experts on
+    ``("edp",)``; an HSDP 2-D mesh next to a 1-D one) the stack fails on every rank::
+
+        RuntimeError: All operands in aten.stack.default must have the same mesh, but got
+        DeviceMesh((edp=2), 'cpu', stride=(1,)) and DeviceMesh((dp=2), 'cpu', stride=(1,)).
+
+    (torch 2.8: ``ValueError: All operands in aten.stack.default must have the same mesh, but got
+    DeviceMesh('cpu', [0, 1], mesh_dim_names=('edp',)) and DeviceMesh('cpu', [0, 1],
+    mesh_dim_names=('dp',)).``) Upstream: PyTorch issue 180346; PyTorch PR 180501 (closed, not
+    merged).
+
+Torch versions
+    Measured on 2 gloo ranks: 2.8, 2.13, 2.15 fail. Read in the wheels: ``_get_total_norm`` and
+    ``_clip_grads_with_norm_`` have the same code in 2.8 - 2.15 (``clip_grad.py`` of 2.12 - 2.15 is
+    one file; 2.8 - 2.11 differ in annotations and docstrings). 2.6 and 2.7 not read.
+
+Needed here?
+    ``clip_grad._get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)`` and
+    ``_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)`` exist,
+    ``clip_grad_norm_`` calls both, and ``_get_total_norm`` stacks norms grouped by
+    ``_group_tensors_by_device_and_dtype`` -> needed. ``_get_total_norm`` reading
+    ``full_tensor`` or a name with ``mesh`` (torch's own fix) -> not needed. Else unsupported.
+
+The replacement
+    ``_get_total_norm`` / ``_clip_grads_with_norm_`` are replaced in ``torch.nn.utils.clip_grad``
+    (``clip_grad_norm_`` looks them up there at every call, so every reference to it, even one
+    imported before this patch, takes the fix) and under their public names
+    ``torch.nn.utils.get_total_norm`` / ``clip_grads_with_norm_``, by plain functions around
+    torch's (``functools.wraps``), not wrapt proxies: ``torch.compile`` traces the user code that
+    calls them, and dynamo fails on a proxy's ``__closure__`` guard. Tensors whose DTensors share one
+    mesh (or that hold no DTensor) go to torch unchanged, the same objects. Otherwise they are split
+    in first-appearance order (the same on every rank) into one group per mesh plus the plain
+    tensors; torch's function computes each group's norm (a DTensor's made plain by
+    ``full_tensor()``, a collective over its mesh) and the total is
+    ``vector_norm(stack(group norms), p)`` (the norm of norms composes for every p but 0, where
+    torch's norm of per-tensor norms counts the tensors that have a non-zero entry: the groups'
+    counts are summed); ``error_if_nonfinite`` raises torch's own message.
+    Clipping runs torch's ``_clip_grads_with_norm_`` per group with that (plain) total. The total
+    returned on this path is a plain tensor, the same on every rank.
+
+Why in an FSDP2 plugin
+    The input only exists because of FSDP2: ``fully_shard(experts, mesh=edp_mesh)`` and HSDP give
+    each unit's gradients their own mesh, and the training loop's ``clip_grad_norm_(model.parameters())``
+    is the step every FSDP2 recipe runs next. The patch is armed with the others when FSDP2 is
+    imported and changes nothing for one-mesh or non-DTensor inputs.
+
+Disable with ``FSDP_AUTOPATCH_CLIP_GRAD_NORM_MULTI_MESH_ENABLED=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from .. import _compat, _events
+from .._spec import Add, Patch, Verdict, needed, not_needed, unsupported
+
+_CLIP = "torch.nn.utils.clip_grad"
+_UTILS = "torch.nn.utils"
+
+
+def _structural_check() -> Verdict:
+    import torch.nn.utils.clip_grad as clip
+
+    total, scale = getattr(clip, "_get_total_norm", None), getattr(clip, "_clip_grads_with_norm_", None)
+    if total is None or _compat.first_parameters(total, 4) != ("tensors", "norm_type", "error_if_nonfinite", "foreach"):
+        return unsupported("clip_grad._get_total_norm(tensors, norm_type, error_if_nonfinite, foreach) not found")
+    if scale is None or _compat.first_parameters(scale, 4) != ("parameters", "max_norm", "total_norm", "foreach"):
+        return unsupported("clip_grad._clip_grads_with_norm_(parameters, max_norm, total_norm, foreach) not found")
+    if not _compat.reads_names(getattr(clip, "clip_grad_norm_", None), "_get_total_norm", "_clip_grads_with_norm_"):
+        return unsupported("clip_grad_norm_ does not call _get_total_norm and _clip_grads_with_norm_")
+    names = _names_read(_compat.code_of(total))
+    if "full_tensor" in names or any("mesh" in name for name in names):
+        return not_needed("_get_total_norm handles DeviceMeshes itself", conclusive=True)
+    if not _compat.reads_names(total, "stack", "_group_tensors_by_device_and_dtype"):
+        return unsupported("_get_total_norm does not stack norms grouped by (device, dtype)")
+    return needed("_get_total_norm stacks per-gradient norms grouped by (device, dtype), not by DeviceMesh")
+
+
+def _names_read(code) -> set:
+    """The names a code object reads, its comprehensions and nested functions included (a fix that
+    reads ``t.full_tensor()`` inside a list comprehension reads it in a nested code object)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            names |= _names_read(const)
+    return names
+
+
+def _mesh_groups(tensors):
+    """Indices per DeviceMesh (first-appearance order), then the plain ones; None for one mesh."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    if dtensor is None:
+        return None  # no DTensor can exist before torch.distributed.tensor is imported
+    meshes, groups, plain = [], [], []
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, dtensor):
+            plain.append(index)
+            continue
+        mesh = tensor.device_mesh
+        position = next((i for i, known in enumerate(meshes) if mesh is known or mesh == known), None)
+        if position is None:
+            meshes.append(mesh)
+            groups.append([index])
+        else:
+            groups[position].append(index)
+    return groups + ([plain] if plain else []) if len(meshes) > 1 else None
+
+
+def _plain(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _first_replaced(args, kwargs, name, value):
+    return ((value, *args[1:]), kwargs) if args else (args, {**kwargs, name: value})
+
+
+def _total_norm_args(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    return tensors, norm_type, error_if_nonfinite, foreach
+
+
+def _clip_args(parameters, max_norm, total_norm, foreach=None):
+    return parameters, max_norm, total_norm, foreach
+
+
+def _total_norm_across_meshes(wrapped, instance, args, kwargs):
+    tensors, norm_type, error_if_nonfinite, foreach = _total_norm_args(*args, **kwargs)
+    if isinstance(tensors, torch.Tensor):
+        return wrapped(*args, **kwargs)
+    if not isinstance(tensors, (list, tuple)):
+        tensors = list(tensors)  # an iterator is read once: torch gets the list read here
+        args, kwargs = _first_replaced(args, kwargs, "tensors", tensors)
+    groups = _mesh_groups(tensors)
+    if groups is None:
+        return wrapped(*args, **kwargs)
+    _fired("the total norm", len(tensors), groups)
+    with torch.no_grad():
+        device = tensors[0].device
+        norms = [_plain(wrapped([tensors[i] for i in group], norm_type, False, foreach)) for group in groups]
+        norms = [norm.to(device) for norm in norms]
+        total = _norm_of_group_norms(torch.stack(norms), float(norm_type))
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            wrapped([total], norm_type, True, foreach)  # raises torch's own message
+    return total
+
+
+def _norm_of_group_norms(norms, norm_type: float):
+    """What torch's norm of the per-tensor norms gives, from the per-group norms it computed."""
+    if norm_type == 0.0:  # a group's 0-"norm" counts its tensors with a non-zero entry
+        return norms.sum()
+    return torch.linalg.vector_norm(norms, norm_type)
+
+
+def _clip_across_meshes(wrapped, instance, args, kwargs):
+    parameters, max_norm, total_norm, foreach = _clip_args(*args, **kwargs)
+    if isinstance(parameters, torch.Tensor):
+        return wrapped(*args, **kwargs)
+    if not isinstance(parameters, (list, tuple)):
+        parameters = list(parameters)
+        args, kwargs = _first_replaced(args, kwargs, "parameters", parameters)
+    with_grad = [p for p in parameters if p.grad is not None]
+    groups = _mesh_groups([p.grad for p in with_grad])
+    if groups is None:
+        return wrapped(*args, **kwargs)
+    _fired("the clipping", len(with_grad), groups)
+    with torch.no_grad():
+        total_norm = _plain(total_norm)
+        for group in groups:
+            wrapped([with_grad[i] for i in group], max_norm, total_norm, foreach)
+    return None
+
+
+def _fired(what: str, count: int, groups) -> None:
+    _events.fired(
+        "clip_grad_norm_multi_mesh",
+        "RuntimeError: All operands in aten.stack.default must have the same mesh",
+        f"{what} of {count} gradients in {len(groups)} groups (one per DeviceMesh, then plain tensors)",
+    )
+
+
+def _public(name):
+    return lambda: hasattr(sys.modules.get(_UTILS), name)
+
+
+def _plain_wrap(path: str, wrapper, when=None) -> Add:
+    """Replace the function at ``path`` by a plain Python function that calls ``wrapper(torch's
+    function, None, args, kwargs)``. Not a wrapt proxy: ``torch.compile`` traces user code that
+    calls these functions, and dynamo's guard on a proxy's ``__closure__`` fails ("Guard failed on
+    the same frame it was created"); a plain function is traced like torch's own."""
+    name = path.rsplit(":", 1)[1]
+
+    def factory(owner):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def replacement(*args, **kwargs):
+            return wrapper(original, None, args, kwargs)
+
+        return replacement
+
+    return Add(path, factory, when)
+
+
+PATCH = Patch(
+    name="clip_grad_norm_multi_mesh",
+    summary="clip_grad_norm_ works over gradients on several DeviceMeshes (experts + dense, HSDP + 1-D)",
+    symptom="RuntimeError: All operands in aten.stack.default must have the same mesh",
+    trigger="clip_grad_norm_ / get_total_norm over FSDP2 gradients sharded on two or more meshes",
+    upstream=("PyTorch issue 180346", "PyTorch PR 180501"),
+    # measured: 2.8, 2.13, 2.15 fail; read: the same two functions in the 2.9.1 - 2.14.1 wheels
+    affected=">=2.8,<2.16",
+    check=_structural_check,
+    # the public names are the same functions bound under other names: each needs its own target
+    targets=(
+        _plain_wrap(f"{_CLIP}:_get_total_norm", _total_norm_across_meshes),
+        _plain_wrap(f"{_CLIP}:_clip_grads_with_norm_", _clip_across_meshes),
+        _plain_wrap(f"{_UTILS}:get_total_norm", _total_norm_across_meshes, when=_public("get_total_norm")),
+        _plain_wrap(f"{_UTILS}:clip_grads_with_norm_", _clip_across_meshes, when=_public("clip_grads_with_norm_")),
+    ),
+    changes="multi-mesh gradients are normed and clipped per mesh, then combined",
+)
