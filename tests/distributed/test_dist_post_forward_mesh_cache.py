@@ -1,0 +1,155 @@
+"""post_forward_mesh_cache on 4 gloo ranks: reshard_after_forward=2 on a 4-rank shard mesh.
+
+One launch with the patch disabled, one with it (``_mesh_cache_scenarios``, several cases each).
+Without it every unit builds its own post-forward DeviceMesh: 2 process groups per unit on every
+rank (8 units -> 16, 16 -> 32). With it the units of a world share one (2 groups, then 0 for every
+further model, a mesh sliced anew per call and parameters placed on a second mesh over the same
+ranks); a new world gets its own. Gradients equal the one-process reference both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _dist_checks as ck
+import _mesh_cache_scenarios as mc
+from _dist_launcher import HERE, RunResult, run_ranks
+
+pytestmark = pytest.mark.timeout(600)
+
+PATCH = "post_forward_mesh_cache"
+SCRIPT = HERE / "_mesh_cache_scenarios.py"
+LAUNCH_TIMEOUT_S = 240.0  # 4 ranks on a busy 2-core machine: torch import x 4 is most of it
+TRAINED = ("units8", "units16", "uneven_gc")
+# process groups each rank gains per case: torch alone (2 per unit and mesh) / with the patch
+WITHOUT = {"units8": 16, "second_model": 16, "sliced": 16, "placement": 32, "after_del": 16,
+           "units16": 32, "uneven_gc": 16}
+WITH = {"units8": 2, "second_model": 0, "sliced": 0, "placement": 0, "after_del": 0,
+        "units16": 2, "uneven_gc": 0}
+FACTOR = "ValueError: If passing reshard_after_forward as an int, it should be a factor of 4, not {}"
+ERRORS = {
+    **{repr(k): FACTOR.format(k) for k in (3, 0, 8, -2)},
+    "2.0": "ValueError: reshard_after_forward should be a bool or an int representing the group size "
+    "to reshard to, not 2.0",
+}
+
+
+@pytest.fixture(scope="module")
+def unpatched() -> RunResult:
+    return run_ranks("mesh_cache", env={ck.ENV[PATCH]: "0"}, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S,
+                     script=SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def patched() -> RunResult:
+    return run_ranks("mesh_cache", world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S, script=SCRIPT)
+
+
+def records(run: RunResult, case: str) -> list[dict]:
+    out = []
+    for rank in run.ranks:
+        rec = rank.cases.get(case)
+        assert rec is not None, f"rank {rank.rank} did not run case {case!r}\n{run.describe()}"
+        assert rec["error"] is None, f"rank {rank.rank} {case}: {rec['error']['message']}\n{run.describe()}"
+        out.append(rec)
+    return out
+
+
+def measured(run: RunResult, case: str, key: str) -> object:
+    """The value every rank recorded (the ranks must agree)."""
+    values = [rec.get(key) for rec in records(run, case)]
+    assert all(v == values[0] for v in values), f"{case} {key}: ranks differ: {values}"
+    return values[0]
+
+
+def skipped(run: RunResult, case: str) -> bool:
+    return "skipped" in records(run, case)[0]
+
+
+def cases(run: RunResult) -> list[str]:
+    return [case for case in WITHOUT if not skipped(run, case)]
+
+
+def assert_grads_equal_reference(run: RunResult, case: str) -> None:
+    recs = records(run, case)
+    model = mc.build(measured(run, case, "units"))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), recs[0]["init_params"][name]), f"{case} {name}: other initial weights"
+    for step, ref in enumerate(mc.reference_steps(model)):
+        for rank, rec in enumerate(recs):
+            ck.assert_grads_match(rec[f"grads_{step}"], ref)
+            assert set(rec[f"grads_{step}"]) == set(ref), (case, rank, step)
+
+
+def _unpatched_outcome(run: RunResult) -> tuple[str, str]:
+    counts = {case: measured(run, case, "pg_fully_shard") for case in cases(run)}
+    detail = f"process groups per rank: 8 units -> {counts['units8']}, 16 units -> {counts['units16']}"
+    if counts == {case: WITHOUT[case] for case in counts}:
+        return ck.ex.REPRODUCES, detail
+    if counts == {case: WITH[case] for case in counts}:
+        return ck.ex.FIXED, detail
+    return "other", f"{detail}; all: {counts}"
+
+
+def test_unpatched(unpatched):
+    """Every unit builds its own post-forward mesh: the process groups grow with the units."""
+    assert not unpatched.timed_out, unpatched.describe()
+    unpatched.assert_clean()
+    outcome, detail = _unpatched_outcome(unpatched)
+    ck.expect_unpatched("e", outcome, detail, unpatched)
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+    for case in cases(unpatched):
+        units = measured(unpatched, case, "units")
+        meshes_per_unit = 2 if case == "placement" else 1  # weights' mesh and the biases' mesh
+        assert measured(unpatched, case, "post_forward_meshes") == meshes_per_unit * units, case
+    # deleting models gives no process group back: they stay registered until destroy_process_group()
+    assert measured(unpatched, "after_del", "pg_released_by_del") == 0
+    assert measured(unpatched, "validation", "errors") == ERRORS
+    for case in TRAINED:
+        assert measured(unpatched, case, "pg_training") == 0, case
+        assert_grads_equal_reference(unpatched, case)
+
+
+def test_patched_process_groups_do_not_grow_with_units(patched):
+    patched.assert_clean()
+    ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})
+    counts = {case: measured(patched, case, "pg_fully_shard") for case in cases(patched)}
+    assert counts == {case: WITH[case] for case in counts}, counts
+    for case in counts:
+        assert measured(patched, case, "post_forward_meshes") == 1, case
+    for case in ("second_model", "sliced") + (() if skipped(patched, "placement") else ("placement",)):
+        assert measured(patched, case, "shares_first_mesh") is True, case
+    assert measured(patched, "sliced", "new_mesh_per_slicing") is True  # an identity-keyed cache would miss
+    ck.observe_patched("e", f"process groups per rank: 8 units -> {counts['units8']}, 16 units -> {counts['units16']}")
+
+
+def test_patched_new_world_gets_its_own_mesh(patched):
+    """After destroy_process_group() + init_process_group(), with a first-world model alive."""
+    assert measured(patched, "units16", "pg_fully_shard") == 2
+    assert measured(patched, "units16", "reuses_first_world_mesh") is False
+
+
+def test_patched_ranks_agree_when_their_collectors_ran_at_different_times(patched):
+    """The world's post-forward mesh survives its last unit (collected on rank 0 only): every rank
+    reuses it, none creates groups its peers do not (an entry that died with its units would)."""
+    assert measured(patched, "uneven_gc", "pg_fully_shard") == 0
+    assert_grads_equal_reference(patched, "uneven_gc")
+
+
+@pytest.mark.parametrize("case", TRAINED)
+def test_patched_grads_equal_reference(patched, case):
+    assert measured(patched, case, "pg_training") == 0
+    assert_grads_equal_reference(patched, case)
+
+
+def test_patched_keeps_torchs_validation(patched):
+    assert measured(patched, "validation", "errors") == ERRORS
+
+
+def test_patched_fires_once_per_post_forward_mesh_not_built(patched):
+    ck.assert_fired_where_applied(patched, PATCH)
+    # hits per rank: units8 7, second_model 8, sliced 8, after_del 8, the first-world model kept
+    # alive 8, units16 15, uneven_gc 8; placement 16 (weights and biases) where it ran
+    expected = 7 + 8 + 8 + 8 + 8 + 15 + 8 + (0 if skipped(patched, "placement") else 16)
+    assert ck.fired(patched, PATCH) == [expected] * mc.WORLD
