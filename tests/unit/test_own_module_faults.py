@@ -35,6 +35,7 @@ HOOK_PATH = {
     "fsdp_autopatch.patches.unused_param_reduction": ("unused_param_reduction", "restore_unused_param_grads"),
     "fsdp_autopatch.patches.uniform_reduce_dtype": ("uniform_reduce_dtype",),
     "fsdp_autopatch.patches.restore_unused_param_grads": ("restore_unused_param_grads",),
+    "fsdp_autopatch.patches.post_forward_mesh_cache": ("post_forward_mesh_cache",),
     "fsdp_autopatch.patches.grouped_module_reuse": ("grouped_module_reuse",),
     "fsdp_autopatch.patches.clip_grad_norm_multi_mesh": ("clip_grad_norm_multi_mesh",),
     "fsdp_autopatch.patches.keep_param_attributes": ("keep_param_attributes",),

@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if the .pth is active)
 import torch.nn as nn  # noqa: E402
@@ -189,7 +190,8 @@ def process_groups() -> int:
 
 
 def post_forward_infos(units) -> list:
-    return [group.post_forward_mesh_info for unit in units for group in _compat.state_param_groups(unit._get_fsdp_state())]
+    groups = [group for unit in units for group in _compat.state_param_groups(unit._get_fsdp_state())]
+    return [group.post_forward_mesh_info for group in groups]
 
 
 def shard(mesh, units: int, k=2):
@@ -238,6 +240,23 @@ def test_fake_backend_process_groups_do_not_grow_with_units(applied, fake_world)
     assert validation_errors(mesh)[0] == "If passing reshard_after_forward as an int, it should be a factor of 4, not 3"
 
 
+def hsdp(replicate: int, shard_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (replicate, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def test_fake_backend_hsdp(applied, fake_world):
+    one_by_four = hsdp(1, WORLD)  # its own layout (shape (1, 4)): one post-forward mesh of its own
+    model, created = shard(one_by_four, 8)
+    assert created == 2 and len({id(info) for info in post_forward_infos(model)}) == 1
+    two_by_two = hsdp(2, 2)  # k=2 is the shard size: torch answers True, nothing is built or kept
+    model, created = shard(two_by_two, 8)
+    assert created == 0
+    groups = [group for unit in model for group in _compat.state_param_groups(unit._get_fsdp_state())]
+    assert all(group.post_forward_mesh_info is group.mesh_info for group in groups)
+
+
 def test_fake_backend_torchs_own_numbers(applied, fake_world, torch_own):
     mesh = fake_world
     patched_errors = validation_errors(mesh)
@@ -245,6 +264,7 @@ def test_fake_backend_torchs_own_numbers(applied, fake_world, torch_own):
     torch_own()
     created = {units: shard(mesh, units)[1] for units in (8, 16)}
     assert created == {8: 16, 16: 32}
+    assert shard(hsdp(1, WORLD), 8)[1] == 16
     assert validation_errors(mesh) == patched_errors  # the same ValueError texts with the patch
 
 
