@@ -105,4 +105,5 @@ def test_the_demo_imports_without_torch_and_its_cli_is_unchanged():
     ]
     for result in helps:
         assert result.returncode == 0, result.stderr
-        assert result.stdout.startswith("usage: fsdp-autopatch demo [-h] [--without-patches] [--timeout TIMEOUT]")
+        usage = " ".join(result.stdout.split("\n\n")[0].split())
+        assert usage == "usage: fsdp-autopatch demo [-h] [--without-patches] [--bug NAME] [--timeout TIMEOUT]"
