@@ -81,6 +81,10 @@ PATCH_POINTS = {
         "FSDPParamGroup.post_backward",
         "FSDPState._root_post_backward_final_callback",
     ),
+    "post_forward_mesh_cache": ("_fsdp_init._get_post_forward_mesh_info", "_fully_shard._get_post_forward_mesh_info"),
+    "grouped_module_reuse": ("_fsdp_state._register_group_forward_hooks",),
+    "keep_param_attributes": ("FSDPParam._setattr_on_modules",),
+    "clip_grad_norm_multi_mesh": (),  # plain functools.wraps functions (dynamo traces them), not wrapt
 }
 
 
@@ -300,12 +304,17 @@ import torch.distributed.fsdp
 plugin = sys.modules.get("fsdp_autopatch")
 wrapt_loaded = "wrapt" in sys.modules  # only the plugin's hook imports wrapt
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group, _fsdp_state
+from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 points = {{
     "FSDPParam.to_accumulated_grad_if_needed": vars(_fsdp_param.FSDPParam)["to_accumulated_grad_if_needed"],
     "_fsdp_collectives.foreach_reduce": _fsdp_collectives.foreach_reduce,
     "_fsdp_param_group.foreach_reduce": _fsdp_param_group.foreach_reduce,
     "FSDPParamGroup.post_backward": vars(_fsdp_param_group.FSDPParamGroup)["post_backward"],
     "FSDPState._root_post_backward_final_callback": vars(_fsdp_state.FSDPState)["_root_post_backward_final_callback"],
+    "_fsdp_init._get_post_forward_mesh_info": _fsdp_init._get_post_forward_mesh_info,
+    "_fully_shard._get_post_forward_mesh_info": _fully_shard._get_post_forward_mesh_info,
+    "_fsdp_state._register_group_forward_hooks": _fsdp_state._register_group_forward_hooks,
+    "FSDPParam._setattr_on_modules": vars(_fsdp_param.FSDPParam)["_setattr_on_modules"],
 }}
 # torch itself decorates some of these (functools.wraps sets __wrapped__), so "patched" means
 # "is a wrapt FunctionWrapper", which torch never uses.

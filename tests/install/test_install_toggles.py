@@ -48,6 +48,10 @@ OFF_SPELLINGS = {
     "unused_param_reduction": "false",
     "uniform_reduce_dtype": "No",
     "restore_unused_param_grads": " off ",
+    "post_forward_mesh_cache": "FALSE",
+    "grouped_module_reuse": "oFf",
+    "keep_param_attributes": " 0",
+    "clip_grad_norm_multi_mesh": "NO ",
 }
 
 CASES = {
