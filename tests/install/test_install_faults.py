@@ -85,6 +85,10 @@ _POINTS = {
     "_fsdp_param_group.foreach_reduce": ("_fsdp_param_group", None, "foreach_reduce"),
     "FSDPParamGroup.post_backward": ("_fsdp_param_group", "FSDPParamGroup", "post_backward"),
     "FSDPState._root_post_backward_final_callback": ("_fsdp_state", "FSDPState", "_root_post_backward_final_callback"),
+    "_fsdp_init._get_post_forward_mesh_info": ("_fsdp_init", None, "_get_post_forward_mesh_info"),
+    "_fully_shard._get_post_forward_mesh_info": ("_fully_shard", None, "_get_post_forward_mesh_info"),
+    "_fsdp_state._register_group_forward_hooks": ("_fsdp_state", None, "_register_group_forward_hooks"),
+    "FSDPParam._setattr_on_modules": ("_fsdp_param", "FSDPParam", "_setattr_on_modules"),
 }
 
 
