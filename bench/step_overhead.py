@@ -384,6 +384,9 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
                 },
                 handle,
             )
+    # every rank waits for the others: a rank that tears gloo down while a peer still
+    # talks to it can abort in gloo's teardown ("terminate called ...", seen in CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -292,6 +292,9 @@ def main() -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }), flush=True)
+    # every rank waits for the others: a rank that tears gloo down while a peer still
+    # talks to it can abort in gloo's teardown ("terminate called ...", seen in CI).
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if not problems else 1
 

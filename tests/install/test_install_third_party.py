@@ -70,6 +70,7 @@ for _ in range({backwards}):
 report = fsdp_autopatch.status()
 with open(f"rank{{dist.get_rank()}}.json", "w") as out:
     json.dump({{"record": report["{name}"].to_dict(), "policies": report.policies, "census": census}}, out)
+dist.barrier()  # no rank tears gloo down while its peer still talks to it
 dist.destroy_process_group()
 '''
 
