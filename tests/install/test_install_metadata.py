@@ -54,7 +54,8 @@ def test_license_changelog_and_typing_marker_are_in_the_wheel(wheel: Path) -> No
         changelog = archive.read(f"{dist_info}/extra_metadata/CHANGELOG.md").decode("utf-8")
     assert "fsdp_autopatch/py.typed" in names
     assert license_text.startswith("BSD 3-Clause License") and "fsdp-autopatch developers" in license_text
-    assert "## [0.1.0]" in changelog
+    version = _metadata(wheel)["Version"]
+    assert f"## [{version}] - " in changelog and "## [0.1.0]" in changelog  # this release and the first
 
 
 def test_metadata_declares_license_urls_and_classifiers(wheel: Path) -> None:
