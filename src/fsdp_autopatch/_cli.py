@@ -51,8 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     commands.add_parser(
         "demo",
-        help="train a tiny vision-language MoE on 2 CPU ranks that hits all four bugs "
-        "(--without-patches shows the failures)",
+        help="train a tiny vision-language MoE on 2 CPU ranks that hits the first four patches' bugs "
+        "(--without-patches shows the failures; --bug NAME one of the later four)",
         add_help=False,
     )
     return parser

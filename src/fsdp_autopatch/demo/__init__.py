@@ -83,10 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-autopatch demo",
         description="Train a tiny vision-language MoE with FSDP2 on two CPU ranks and check that "
-                    "the four patched bugs stay fixed.")
+                    "the bugs of the first four patches stay fixed; --bug NAME shows one of the "
+                    "later four on its own model.")
     parser.add_argument("--without-patches", action="store_true",
                         help="reproduce each bug with its patch disabled "
-                             "(exit 0 if all four reproduce)")
+                             "(exit 0 if all four of the MoE's bugs reproduce)")
     parser.add_argument("--bug", choices=sorted(BUG_SHOWS), metavar="NAME",
                         help="one bug's own small run, without its patch then with it: "
                              + ", ".join(BUG_SHOWS))

@@ -25,7 +25,7 @@ BUG_SHOWS = {
     show.name: show
     for show in (
         BugShow("post_forward_mesh_cache", 4,
-                "8 Linear units + root, reshard_after_forward=2 on a 4-rank mesh; one backward"),
+                "8 Linear units with reshard_after_forward=2, and the root, on a 4-rank mesh; one backward"),
         BugShow("grouped_module_reuse", 2,
                 "a grouped unit fully_shard([norm, head]) whose head runs again for an auxiliary "
                 "output kept on a module attribute; one backward"),

@@ -131,5 +131,6 @@ def demo_without_patches(timeout_s: float = RUN_TIMEOUT_S) -> int:
               f"{scenario.upstream}. Fixed by patch '{scenario.patch}'{scenario.fix_note}.")
     total = time.monotonic() - start
     print(f"\n{sum(verdicts)}/{len(verdicts)} bugs reproduced without their patch ({total:.1f} s). "
-          "Run 'fsdp-autopatch demo' to see the same training succeed with the patches.")
+          "The same command without --without-patches (fsdp-autopatch demo; scripts/demo.sh in a checkout) "
+          "shows the same training succeed with the patches.")
     return 0 if all(verdicts) else 1
