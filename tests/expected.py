@@ -92,19 +92,16 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         "b": REPRODUCES if release < (2, 13) else FIXED,
         "c": REPRODUCES if release < (2, 15) else FIXED,
         "d": REPRODUCES,
-        # (e) measured on 2.8, 2.13 and 2.15 (4 gloo ranks, k=2: 8 units -> 16 process groups, 16 -> 32);
-        # read, not run: the same function in the wheels of 2.6, 2.7, 2.9.1, 2.10, 2.11, 2.12.1, 2.14.1
+        # (e) measured on every release 2.8 - 2.15 (4 gloo ranks, k=2: 8 units -> 16 process groups,
+        # 16 -> 32); read, not run: the same function in the 2.6 and 2.7 wheels
         "e": REPRODUCES,
-        # (f) measured: fails on 2.13 and 2.15, right on 2.8; read: 2.14 has 2.13's group hooks and
-        # force-complete, 2.9 - 2.12 have no force-complete (2.8's shape), 2.6 / 2.7 predate it
+        # (f) measured: fails on 2.13 - 2.15, right on 2.8 - 2.12 (no force-complete); 2.6 / 2.7
+        # predate it
         "f": REPRODUCES if release >= (2, 13) else FIXED,
-        # (g) measured on 2.8, 2.13 and 2.15 (every attribute lost at fully_shard); read, not run: the
-        # same FSDPParam._setattr_on_modules / _init_sharded_param in the 2.10.0 and 2.14.1 wheels;
-        # 2.6, 2.7, 2.9, 2.11, 2.12 not read.
+        # (g) measured on every release 2.8 - 2.15 (every attribute lost at fully_shard)
         "g": REPRODUCES,
-        # (h) measured on 2.8, 2.13 and 2.15 (2 gloo ranks, ("dp",) + ("edp",) meshes: the stack
-        # error); read, not run: the same _get_total_norm in the 2.9.1, 2.10, 2.11, 2.12.1, 2.14.1
-        # wheels; 2.6 and 2.7 not read
+        # (h) measured on every release 2.8 - 2.15 (2 gloo ranks, ("dp",) + ("edp",) meshes: the
+        # stack refuses two meshes; 2.9 words it as a failed sharding propagation)
         "h": REPRODUCES,
     }
 

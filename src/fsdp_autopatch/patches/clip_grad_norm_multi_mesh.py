@@ -15,9 +15,11 @@ The bug
     merged).
 
 Torch versions
-    Measured on 2 gloo ranks: 2.8, 2.13, 2.15 fail. Read in the wheels: ``_get_total_norm`` and
-    ``_clip_grads_with_norm_`` have the same code in 2.8 - 2.15 (``clip_grad.py`` of 2.12 - 2.15 is
-    one file; 2.8 - 2.11 differ in annotations and docstrings). 2.6 and 2.7 not read.
+    Measured on 2 gloo ranks, every release 2.8 - 2.15 fails (2.9.1 words it ``Sharding propagation
+    failed for Op(op=aten.stack.default, ...)`` over operands on the two meshes). Read in the wheels:
+    ``_get_total_norm`` and ``_clip_grads_with_norm_`` have the same code in 2.8 - 2.15
+    (``clip_grad.py`` of 2.12 - 2.15 is one file; 2.8 - 2.11 differ in annotations and docstrings).
+    2.6 and 2.7 not read.
 
 Needed here?
     ``clip_grad._get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)`` and
@@ -215,7 +217,7 @@ PATCH = Patch(
     symptom="RuntimeError: All operands in aten.stack.default must have the same mesh",
     trigger="clip_grad_norm_ / get_total_norm over FSDP2 gradients sharded on two or more meshes",
     upstream=("PyTorch issue 180346", "PyTorch PR 180501"),
-    # measured: 2.8, 2.13, 2.15 fail; read: the same two functions in the 2.9.1 - 2.14.1 wheels
+    # measured: every release 2.8 - 2.15 fails; 2.6 and 2.7 not read (structural check decides)
     affected=">=2.8,<2.16",
     check=_structural_check,
     # the public names are the same functions bound under other names: each needs its own target

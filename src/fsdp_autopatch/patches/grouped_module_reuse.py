@@ -16,9 +16,9 @@ The bug
     Upstream: PyTorch issue 183702 (open); the force-complete comes from PyTorch PR 180428.
 
 Torch versions
-    Measured on 2 gloo ranks: fails on 2.13 and 2.15 (2.14's hooks are identical to 2.13's);
-    right on 2.8. 2.6 - 2.12 predate the force-complete (PyTorch PR 180428; read in the 2.9 -
-    2.12 wheels): a partial group stays unsharded until backward there.
+    Measured on 2 gloo ranks: fails on 2.13, 2.14 and 2.15; right on 2.8 - 2.12, which predate
+    the force-complete (PyTorch PR 180428): a partial group stays unsharded until backward there.
+    2.6 and 2.7 predate it too (not run: FSDP2 does not run on gloo before 2.8).
 
 Needed here?
     ``_fsdp_state._register_group_forward_hooks(modules, pre_hook, post_hook, modules_to_run,
@@ -174,7 +174,7 @@ PATCH = Patch(
     symptom="RuntimeError: setStorage: ... out of bounds for storage of size 0",
     trigger="fully_shard([norm, head]), head called again inside the root's forward, its output not returned",
     upstream=("PyTorch issue 183702", "PyTorch PR 180428"),
-    # measured: 2.13 and 2.15 fail, 2.14 has 2.13's hooks; 2.6 - 2.12 have no force-complete
+    # measured: 2.13 - 2.15 fail, 2.8 - 2.12 right (no force-complete; nor in 2.6, 2.7)
     affected=">=2.13,<2.16",
     check=_structural_check,
     targets=(

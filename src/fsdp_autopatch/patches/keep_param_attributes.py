@@ -13,8 +13,8 @@ The bug
     without a change); Megatron-LM saves and restores the attributes around ``fully_shard``.
 
 Torch versions
-    Every FSDP2 release: measured on 2.8, 2.13 and 2.15 (every attribute lost); the same
-    ``FSDPParam`` swaps and ``FSDPModule._apply`` read in the 2.10.0 and 2.14.1 wheels.
+    Every FSDP2 release: measured on every release 2.8 - 2.15 (every attribute lost at
+    ``fully_shard``); 2.6 and 2.7 decided by the structural check (FSDP2 does not run on gloo there).
 
 Needed here?
     ``FSDPParam._setattr_on_modules(self, param)`` installs a parameter through
@@ -247,7 +247,7 @@ PATCH = Patch(
     ),
     trigger="Python attributes set on parameters before fully_shard, read after it (optimizer groups, filters)",
     upstream=("PyTorch issue 136929", "Megatron-LM's save/restore of parameter attributes"),
-    # Every FSDP2 release installs new Parameters without the old __dict__ (2.8, 2.13, 2.15 measured).
+    # Every FSDP2 release installs new Parameters without the old __dict__ (measured on 2.8 - 2.15).
     affected=">=2.6",
     check=_structural_check,
     targets=(

@@ -12,8 +12,9 @@ The bug
     ``patch_fsdp_post_forward_mesh_cache``.
 
 Torch versions
-    The function is the same in 2.6 - 2.15 (measured on 2.8, 2.13, 2.15; read in the wheels of 2.6,
-    2.7, 2.9.1, 2.10, 2.11, 2.12.1, 2.14.1; 2.6 and 2.7 lack the warning for k=1).
+    The function is the same in 2.6 - 2.15: measured on every release 2.8 - 2.15 (4 gloo ranks, k=2:
+    8 units -> 16 process groups, 16 -> 32; with the patch 2 and 2); read in the 2.6 and 2.7 wheels
+    (they lack the warning for k=1; FSDP2 does not run on gloo before 2.8).
 
 Needed here?
     ``_fsdp_init._get_post_forward_mesh_info(reshard_after_forward, mesh_info)`` exists and its
@@ -172,7 +173,7 @@ PATCH = Patch(
         "PyTorch PR 187161",
         "NeMo Automodel patch_fsdp_post_forward_mesh_cache",
     ),
-    # the same function in every release 2.6 - 2.15 (measured 2.8, 2.13, 2.15; read the others' wheels)
+    # the same function in every release 2.6 - 2.15 (measured 2.8 - 2.15; read in the 2.6, 2.7 wheels)
     affected=">=2.6,<2.16",
     check=_structural_check,
     # everywhere: _fully_shard imported the function by name
