@@ -47,6 +47,12 @@ def status_cell(result: dict, patch: str) -> str:
     return text if got == reg.get("expected", {}).get(patch) else f"**{text}** (expected {reg['expected'][patch]})"
 
 
+def one_line(text: str) -> str:
+    """A measured text fit for a table cell or a note line: error messages carry newlines (which
+    end a markdown row) and ``|`` (which ends a cell, as in ``max |diff|``)."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
 def bug_cell(result: dict, bug: str) -> str:
     """``off: reproduces (the symptom) ✓ · on: correct``; ✓ / ✗: the *off* outcome against tests/expected.py."""
     if "tests" not in result:
@@ -61,7 +67,7 @@ def bug_cell(result: dict, bug: str) -> str:
         mark = " ✓" if off.startswith(cell["expected_off"]) else f" ✗ (expected {cell['expected_off']})"
     all_correct = cell.get("on") and all(o.startswith("correct") for o in cell["on"])
     on = "correct" if all_correct else "; ".join(cell.get("on", ["—"]))
-    return f"off: {off}{mark}<br>on: {on}"
+    return one_line(f"off: {off}{mark}") + "<br>" + one_line(f"on: {on}")
 
 
 def markdown(results: list[dict], meta: dict) -> str:
@@ -95,7 +101,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         lines += bug_table(results, patches)
     for r in results:
         for text in r.get("tests", {}).get("bugs", {}).get("note", {}).get("on", []):
-            lines += ["", f"Note on torch {r.get('registry', {}).get('torch', r['release'])}: {text}"]
+            lines += ["", f"Note on torch {r.get('registry', {}).get('torch', r['release'])}: {one_line(text)}"]
     problems = [r for r in results if not r["ok"]]
     lines += ["", "All releases match their expectations." if not problems else
               "Releases that do NOT match: " + ", ".join(r["release"] for r in problems)]

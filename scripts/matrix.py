@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     scratch = out / "raw"
     scratch.mkdir(exist_ok=True)
+    commit = git_commit()  # what the wheel is built from: later commits during the run do not count
     wheel = build_wheel(workdir / "wheel", logs / "wheel.log")
     releases = list(args.releases)
     results: list[dict] = []
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.machine()} Linux, {os.cpu_count()} CPUs, no GPU",
         "plugin": wheel.name.split("-")[1],
-        "commit": git_commit(),
+        "commit": commit,
         "python": version,
         "wall_minutes": round((time.monotonic() - started) / 60, 1),
         "max_venv_mb": max((r["install"]["venv_mb"] for r in results), default=0),
