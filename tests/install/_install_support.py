@@ -69,6 +69,21 @@ def statuses_with(**changes: str) -> dict[str, str]:
     return result
 
 
+# Every torch attribute a built-in patch wraps: its name in PATCH_POINTS -> (module under
+# torch.distributed.fsdp._fully_shard, class or None, attribute). The probe programs look them up
+# from here, so a new wrap point is spelled once.
+WRAP_POINTS = {
+    "FSDPParam.to_accumulated_grad_if_needed": ("_fsdp_param", "FSDPParam", "to_accumulated_grad_if_needed"),
+    "_fsdp_collectives.foreach_reduce": ("_fsdp_collectives", None, "foreach_reduce"),
+    "_fsdp_param_group.foreach_reduce": ("_fsdp_param_group", None, "foreach_reduce"),
+    "FSDPParamGroup.post_backward": ("_fsdp_param_group", "FSDPParamGroup", "post_backward"),
+    "FSDPState._root_post_backward_final_callback": ("_fsdp_state", "FSDPState", "_root_post_backward_final_callback"),
+    "_fsdp_init._get_post_forward_mesh_info": ("_fsdp_init", None, "_get_post_forward_mesh_info"),
+    "_fully_shard._get_post_forward_mesh_info": ("_fully_shard", None, "_get_post_forward_mesh_info"),
+    "_fsdp_state._register_group_forward_hooks": ("_fsdp_state", None, "_register_group_forward_hooks"),
+    "FSDPParam._setattr_on_modules": ("_fsdp_param", "FSDPParam", "_setattr_on_modules"),
+}
+
 # What the contract promises on this torch with nothing switched off.
 DEFAULT_STATUSES = statuses_with()
 # Which torch attributes each patch wraps (once each) when applied; several patches may wrap the
@@ -303,19 +318,11 @@ import torch.distributed.fsdp
 # The probe never imports the plugin: the .pth loaded it at start-up (or nothing did).
 plugin = sys.modules.get("fsdp_autopatch")
 wrapt_loaded = "wrapt" in sys.modules  # only the plugin's hook imports wrapt
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group, _fsdp_state
-from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
-points = {{
-    "FSDPParam.to_accumulated_grad_if_needed": vars(_fsdp_param.FSDPParam)["to_accumulated_grad_if_needed"],
-    "_fsdp_collectives.foreach_reduce": _fsdp_collectives.foreach_reduce,
-    "_fsdp_param_group.foreach_reduce": _fsdp_param_group.foreach_reduce,
-    "FSDPParamGroup.post_backward": vars(_fsdp_param_group.FSDPParamGroup)["post_backward"],
-    "FSDPState._root_post_backward_final_callback": vars(_fsdp_state.FSDPState)["_root_post_backward_final_callback"],
-    "_fsdp_init._get_post_forward_mesh_info": _fsdp_init._get_post_forward_mesh_info,
-    "_fully_shard._get_post_forward_mesh_info": _fully_shard._get_post_forward_mesh_info,
-    "_fsdp_state._register_group_forward_hooks": _fsdp_state._register_group_forward_hooks,
-    "FSDPParam._setattr_on_modules": vars(_fsdp_param.FSDPParam)["_setattr_on_modules"],
-}}
+import importlib
+def attribute(module, owner, name):
+    found = importlib.import_module("torch.distributed.fsdp._fully_shard." + module)
+    return vars(getattr(found, owner) if owner else found)[name]
+points = {{name: attribute(*where) for name, where in {wrap_points}.items()}}
 # torch itself decorates some of these (functools.wraps sets __wrapped__), so "patched" means
 # "is a wrapt FunctionWrapper", which torch never uses.
 import wrapt
@@ -338,7 +345,7 @@ print(json.dumps({{
 
 def probe_code(pre: str = "") -> str:
     """The probe program; ``pre`` runs before torch is imported (what a launcher might do)."""
-    return PROBE.format(pre=textwrap.dedent(pre))
+    return PROBE.format(pre=textwrap.dedent(pre), wrap_points=repr(WRAP_POINTS))
 
 
 def statuses(report: Mapping) -> dict[str, str]:

@@ -42,6 +42,7 @@ from _install_support import (
     PATCH_NAMES,
     T_PY,
     T_TORCH,
+    WRAP_POINTS,
     Venv,
     base_python,
     clean_env,
@@ -79,17 +80,7 @@ print(json.dumps(state(error)))
 STATE = r'''
 import sys as _sys
 
-_POINTS = {
-    "FSDPParam.to_accumulated_grad_if_needed": ("_fsdp_param", "FSDPParam", "to_accumulated_grad_if_needed"),
-    "_fsdp_collectives.foreach_reduce": ("_fsdp_collectives", None, "foreach_reduce"),
-    "_fsdp_param_group.foreach_reduce": ("_fsdp_param_group", None, "foreach_reduce"),
-    "FSDPParamGroup.post_backward": ("_fsdp_param_group", "FSDPParamGroup", "post_backward"),
-    "FSDPState._root_post_backward_final_callback": ("_fsdp_state", "FSDPState", "_root_post_backward_final_callback"),
-    "_fsdp_init._get_post_forward_mesh_info": ("_fsdp_init", None, "_get_post_forward_mesh_info"),
-    "_fully_shard._get_post_forward_mesh_info": ("_fully_shard", None, "_get_post_forward_mesh_info"),
-    "_fsdp_state._register_group_forward_hooks": ("_fsdp_state", None, "_register_group_forward_hooks"),
-    "FSDPParam._setattr_on_modules": ("_fsdp_param", "FSDPParam", "_setattr_on_modules"),
-}
+_POINTS = ''' + repr(WRAP_POINTS) + r'''
 
 
 def _depth(obj):
