@@ -225,7 +225,20 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
         number = 2000
         return min(timeit.repeat(func, number=number, repeat=5)) / number
 
-    method_wrapper = {name: _patching.wrap(noop, wrappers[name]) for name in wrappers}
+    def noop_reduce(fsdp_params, unsharded_grads, *args, **kwargs):  # foreach_reduce's parameters
+        return None
+
+    # installed as the patches install them: isolated at call time, arguments bound by name
+    installed = {
+        "accumulated_grad_guard": (guard.PATCH, 0, type(fsdp_param), noop),
+        "uniform_reduce_dtype": (uniform.PATCH, 0, None, noop_reduce),
+        "restore_unused_param_grads.post_backward": (restore.PATCH, 0, type(group), noop),
+        "restore_unused_param_grads.final_callback": (restore.PATCH, 1, type(root), noop),
+    }
+    method_wrapper = {
+        name: _patching.guarded(patch.name, patch.targets[index], owner, original)
+        for name, (patch, index, owner, original) in installed.items()
+    }
     cost = {
         "accumulated_grad_guard": per_call(
             lambda: method_wrapper["accumulated_grad_guard"].__get__(fsdp_param, type(fsdp_param))()

@@ -22,10 +22,10 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from . import _compat, _patching, _process, _thirdparty, patches
+from . import _compat, _isolation, _patching, _process, _thirdparty, patches
 from ._config import THIRD_PARTY, Decision, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
-from ._spec import Patch, Verdict
+from ._spec import Patch, Verdict, unsupported
 from .patches import FIXES, POLICIES
 
 logger = logging.getLogger("fsdp_autopatch")
@@ -45,6 +45,7 @@ def activate(module: Any = None) -> None:
         settings = _read_settings_safely(FIXES + tuple(external.name for external in externals))
         _record_refused(refused, settings)
         _configure_logging(settings)
+        _isolation.set_strict(settings.strict)
         REGISTRY.record_torch_version(_process.torch_version())
         for name in FIXES:
             _run_fix(name, settings, patches.load_patch)
@@ -143,8 +144,18 @@ def _verdict_isolated(patch: Patch, settings: Settings, decision: Decision) -> V
 
 
 def verdict_of(patch: Patch) -> Verdict:
-    """The patch's structural check, combined with the releases measured to have its bug."""
-    return _compat.decide(patch.check(), _compat.torch_release(), SpecifierSet(patch.affected))
+    """The patch's structural check, combined with the releases measured to have its bug.
+
+    A "needed" check is only as good as the contract of its wrappers: a parameter a wrapper reads
+    that torch's function no longer has, or a reference torch holds where it cannot be replaced,
+    makes the patch unsupported (torch left untouched), whatever the version says.
+    """
+    structural = patch.check()
+    if structural.status == "needed":
+        problem = _patching.contract_problem(patch)
+        if problem is not None:
+            structural = unsupported(f"{problem}: torch left untouched")
+    return _compat.decide(structural, _compat.torch_release(), SpecifierSet(patch.affected))
 
 
 def _run_policy(name: str, settings: Settings) -> None:
@@ -207,4 +218,5 @@ def revert_all() -> None:
     with _lock:
         _consistency.revert()
         _patching.revert_all()
+        _isolation.forget()
         REGISTRY.reset()

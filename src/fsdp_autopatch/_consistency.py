@@ -61,7 +61,7 @@ import json
 import logging
 from typing import Any, NamedTuple
 
-from . import _compat, _patching
+from . import _compat, _isolation, _patching
 from ._config import CROSS_RANK_CHECK
 from ._registry import REGISTRY
 from ._spec import POLICY, Patch, Verdict, Wrap, needed
@@ -255,10 +255,11 @@ def _compare_all(comparisons: list[_Comparison]) -> None:
             "Give every rank the same FSDP_AUTOPATCH_* environment and the same torch, or set "
             "FSDP_AUTOPATCH_CROSS_RANK_CHECK=0 on every rank to skip this check."
         ))
+    # Raised on purpose, for the user: call-time isolation lets these through.
     if len(errors) == 1:
-        raise errors[0]
+        raise _isolation.for_the_user(errors[0])
     if errors:
-        raise RuntimeError("\n".join(str(error) for error in errors))
+        raise _isolation.for_the_user(RuntimeError("\n".join(str(error) for error in errors)))
 
 
 def _group_of(comparison: _Comparison) -> str:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from . import _hook, _process
 from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
 from ._process import HOOK_TARGET
-from ._registry import REGISTRY, PatchStatus
+from ._registry import CALL_TIME_FAILURE, REGISTRY, PatchStatus
 from .patches import FIXES, POLICIES
 
 PTH_NAME = "fsdp_autopatch.pth"
@@ -247,6 +247,14 @@ def _patch_finding_of_status(record: Any) -> Finding:
             record.name, PROBLEM, f"unsupported on this torch, not protected: {record.reason}",
             "use a torch release from docs/compatibility.md, or report the torch build",
         )
+    if status is PatchStatus.FAILED and record.reason.startswith(CALL_TIME_FAILURE):
+        # in-process only (fsdp_autopatch.status() in the training program): a wrapper of ours
+        # raised, torch's own code ran instead and runs for the rest of the process
+        action = (
+            "the rest of this run is not protected by this patch; report it with the warning the "
+            f"fsdp_autopatch logger printed (its traceback), or set {record.env}=0"
+        )
+        return Finding(record.name, PROBLEM, record.reason, action)
     if status is PatchStatus.FAILED:
         action = "report this with `fsdp-autopatch doctor --json`"
         return Finding(record.name, PROBLEM, f"failed: {record.reason}", action)

@@ -1,11 +1,16 @@
 """Apply and revert a declared patch: resolve its targets, replace all or nothing, undo in reverse.
 
 Imported only once torch's FSDP2 is being imported, so wrapt is fair game. Every patch goes through
-:func:`apply` and :func:`revert`; no patch module replaces anything itself.
+:func:`apply` and :func:`revert`; no patch module replaces anything itself. Every wrapper is
+installed inside ``_isolation.guard`` (call-time isolation: our exceptions never reach the caller),
+with the parameters it reads bound by name against the signature of the function it wraps.
+:func:`contract_problem` says, before anything is replaced, whether torch's functions still offer
+what the declaration relies on (the parameters its wrappers read, call sites that can be replaced).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from collections.abc import Iterable
@@ -13,6 +18,7 @@ from typing import Any, Callable
 
 import wrapt
 
+from . import _isolation
 from ._spec import Add, Patch, Wrap
 
 _MISSING = object()
@@ -42,9 +48,36 @@ def original_of(owner: Any, attribute: str) -> Any:
     raise AttributeError(f"{getattr(owner, '__name__', owner)!r} has no attribute {attribute!r}")
 
 
-def wrap(original: Any, wrapper: Callable[..., Any]) -> Any:
-    """A wrapt ``FunctionWrapper``: keeps the original's name, docstring and signature."""
-    return wrapt.FunctionWrapper(original, wrapper)
+def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True) -> Any:
+    """``wrapper`` (wrapt's signature) around ``original``: a wrapt ``FunctionWrapper``, which keeps
+    the original's name, docstring and signature, or (``proxy=False``) a plain function made with
+    ``functools.wraps``, which ``torch.compile`` traces like torch's own."""
+    if proxy:
+        return wrapt.FunctionWrapper(original, wrapper)
+
+    @functools.wraps(original)
+    def replacement(*args, **kwargs):
+        return wrapper(original, None, args, kwargs)
+
+    return replacement
+
+
+def is_method(owner: Any, original: Any) -> bool:
+    """Whether wrapt binds ``owner.<original>`` to an instance: a function on a class, or an earlier
+    patch's wrapper of one (wrapt binds those alike)."""
+    return isinstance(owner, type) and not isinstance(original, (staticmethod, classmethod, type))
+
+
+def binder_for(target: Wrap, owner: Any, original: Any) -> _isolation.Binder:
+    """Where the parameters ``target.wrapper`` reads sit, from the real signature of ``original``."""
+    return _isolation.Binder(original, target.reads, skip_self=is_method(owner, original))
+
+
+def guarded(patch_name: str, target: Wrap, owner: Any, original: Any) -> Any:
+    """The value that replaces ``original``: the target's wrapper, isolated, bound by name."""
+    binder = binder_for(target, owner, original) if target.reads else _isolation.NO_BINDER
+    wrapper = _isolation.guard(patch_name, target.wrapper, binder, target.after_torch)
+    return wrap(original, wrapper, proxy=target.proxy)
 
 
 def replacements(patch: Patch) -> list[tuple[Any, str, Any]]:
@@ -58,23 +91,83 @@ def replacements(patch: Patch) -> list[tuple[Any, str, Any]]:
             planned.append((owner, attribute, target.factory(owner)))
         elif isinstance(target, Wrap):
             original = original_of(owner, attribute)
-            value = wrap(original, target.wrapper)
-            copies = import_sites(original, attribute) if target.everywhere else []
-            planned += [(site, attribute, value) for site in [owner, *(m for m in copies if m is not owner)]]
+            value = guarded(patch.name, target, owner, original)
+            copies = import_sites(original) if target.everywhere else []
+            planned.append((owner, attribute, value))
+            planned += [(site, name, value) for site, name in copies if (site, name) != (owner, attribute)]
         else:
             raise TypeError(f"{patch.name}: unknown target {target!r}")
     return planned
 
 
-def import_sites(original: Any, attribute: str) -> list[Any]:
-    """Every loaded ``torch.*`` module that holds ``original`` under ``attribute`` (``from x import f``)."""
+def import_sites(original: Any) -> list[tuple[Any, str]]:
+    """Every ``(module, name)`` of a loaded ``torch.*`` module that holds ``original`` itself, under
+    any name (``from x import f`` and ``from x import f as g`` alike): found by the object."""
     return [
-        module
-        for name, module in list(sys.modules.items())
-        if (name == "torch" or name.startswith("torch."))
-        and module is not None
-        and vars(module).get(attribute) is original
+        (module, name)
+        for module_name, module in list(sys.modules.items())
+        if (module_name == "torch" or module_name.startswith("torch.")) and module is not None
+        for name, value in list(vars(module).items())
+        if value is original
     ]
+
+
+def contract_problem(patch: Patch) -> str | None:
+    """What torch no longer offers that the patch's wrappers rely on, or None.
+
+    * a parameter a wrapper reads (``Wrap.reads``) is not in the wrapped function's signature;
+    * an ``everywhere`` function is also held where it cannot be replaced (a default argument, a
+      closure, a class attribute in torch's FSDP2): ``applied`` must mean every call site torch
+      uses goes through the wrapper.
+    """
+    for target in patch.targets:
+        if not isinstance(target, Wrap) or (target.when is not None and not target.when()):
+            continue
+        owner, attribute = resolve(target.path)
+        original = original_of(owner, attribute)
+        missing = binder_for(target, owner, original).missing if target.reads else ()
+        if missing:
+            return f"{_short_name(owner)}.{attribute} has no parameter {', '.join(missing)} (its wrapper reads it)"
+        hidden = hidden_references(original, owner) if target.everywhere else []
+        if hidden:
+            return f"{attribute} is also held where it cannot be replaced ({', '.join(hidden)})"
+    return None
+
+
+def hidden_references(original: Any, owner: Any) -> list[str]:
+    """Places in torch's loaded FSDP2 modules that hold ``original`` other than as a module global."""
+    package = getattr(owner, "__name__", "").rpartition(".")[0] or "torch.distributed.fsdp"
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(package):
+            continue
+        for name, value in list(vars(module).items()):
+            for holder, held in _held_by(value):
+                if held is original and getattr(value, "__module__", None) == module_name:
+                    found.append(f"{module_name}.{name}{holder}")
+    return found
+
+
+def _held_by(value: Any) -> list[tuple[str, Any]]:
+    """What a module global holds by reference: a function's defaults and closure, a class's
+    attributes (one level), a ``functools.partial``'s function."""
+    held: list[tuple[str, Any]] = []
+    functions = [("", value)]
+    if isinstance(value, type):
+        functions = [(f".{name}", member) for name, member in list(vars(value).items())]
+        held += functions
+    for where, function in functions:
+        if isinstance(function, functools.partial):
+            held.append((f"{where} (partial)", function.func))
+        function = getattr(function, "__func__", function)
+        for default in (getattr(function, "__defaults__", None) or ()):
+            held.append((f"{where} (default)", default))
+        for cell in (getattr(function, "__closure__", None) or ()):
+            try:
+                held.append((f"{where} (closure)", cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+    return held
 
 
 def describe(planned: Iterable[tuple[Any, str, Any]], patch_name: str = "") -> str:
@@ -135,6 +228,7 @@ def is_applied(patch_name: str) -> bool:
 def revert(patch_name: str) -> None:
     """Undo one patch (tests). Revert patches in the reverse order of application."""
     _undo(_applied.pop(patch_name, []))
+    _isolation.forget(patch_name)
 
 
 def revert_all() -> None:

@@ -26,7 +26,9 @@ class PatchStatus(str, enum.Enum):
     DISABLED = "disabled"  # switched off by an environment variable (the reason names it)
     NOT_NEEDED = "not_needed"  # this torch already has the fix
     UNSUPPORTED = "unsupported"  # torch internals differ from what the patch wraps; torch untouched
-    FAILED = "failed"  # the patch raised while applying; torch untouched (the reason has the error)
+    # the patch raised while applying (torch untouched), or one of its wrappers raised at call time
+    # (torch's original ran instead, and runs from then on); the reason has the error
+    FAILED = "failed"
 
     def __str__(self) -> str:
         return self.value
@@ -94,6 +96,8 @@ class StatusReport:
 
 
 _PENDING_REASON = f"waiting for {HOOK_TARGET} to be imported"
+# How the reason of a patch whose wrapper raised at call time starts (``_isolation``; doctor reads it).
+CALL_TIME_FAILURE = "failed at call time"
 
 
 class _Entry:
@@ -137,6 +141,19 @@ class Registry:
         with self._lock:
             provider = self._records[name].provider if name in self._records else None
             self._records[name] = _Entry(status, reason, decided_by, variable, value, provider)
+
+    def record_call_failure(self, name: str, reason: str) -> None:
+        """An applied patch's wrapper failed at call time (``_isolation``): ``failed``, keeping
+        the decision that let it be tried and which check decided it."""
+        with self._lock:
+            entry = self._records.get(name)
+            if entry is None:  # a policy: recorded under "policies", where doctor reads "failed"
+                self._policies[name] = reason
+                return
+            applied = f" (it had applied: {entry.reason})" if entry.status is PatchStatus.APPLIED else ""
+            self._records[name] = _Entry(
+                PatchStatus.FAILED, reason + applied, entry.decided_by, entry.variable, entry.value, entry.provider
+            )
 
     def add_external(
         self, name: str, provider: str, status: PatchStatus = PatchStatus.PENDING, reason: str = ""

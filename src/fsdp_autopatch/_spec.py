@@ -59,20 +59,41 @@ def unsupported(reason: str) -> Verdict:
     return Verdict("unsupported", reason)
 
 
+# What a wrapper's guard does when our code raises *after* torch's original ran
+# (``Wrap.after_torch``; see ``_patching`` for the whole call-time isolation):
+KEEP_RESULT = "keep torch's result"  # return what torch's original returned (our follow-up is skipped)
+CALL_AGAIN = "call torch again"  # call torch's original again with the caller's arguments (pure functions)
+
+
 class Wrap(NamedTuple):
-    """Replace the callable at ``path`` by ``wrapt.FunctionWrapper(original, wrapper)``.
+    """Replace the callable at ``path`` by a wrapper around it.
 
     ``path`` is ``"module:Qualified.name"`` (wrapt's ``resolve_path`` spelling). ``wrapper`` has
-    wrapt's signature ``(wrapped, instance, args, kwargs)``. ``when``: apply this target only if it
-    returns True (an internal that only some releases have). ``everywhere``: also replace it in
-    every loaded ``torch.*`` module that imported it by name (``from x import f`` copies the
-    reference, so wrapping only the defining module would miss those callers).
+    wrapt's signature ``(wrapped, instance, args, kwargs)``; ``wrapped`` is a
+    :class:`fsdp_autopatch._patching.Call`: calling it runs torch's original, and
+    ``wrapped.argument(name)`` / ``wrapped.again(name=value)`` read and replace arguments by name.
+
+    ``when``: apply this target only if it returns True (an internal that only some releases have).
+    ``everywhere``: also replace it in every loaded ``torch.*`` module that holds the same function
+    object, under any name (``from x import f as g`` copies the reference, so wrapping only the
+    defining module would miss those callers).
+    ``reads``: the parameters the wrapper reads or replaces, by name. They are bound against the
+    signature of the function actually wrapped (computed once, when applying); a torch whose
+    function lacks one of them makes the patch ``unsupported``. Every other argument is forwarded
+    exactly as it came.
+    ``proxy``: True: a ``wrapt.FunctionWrapper``; False: a plain ``functools.wraps`` function (what
+    ``torch.compile`` must trace through in user code: dynamo fails on a proxy's closure guard).
+    ``after_torch``: :data:`KEEP_RESULT` or :data:`CALL_AGAIN`, what happens when our code raises
+    after torch's original already ran (the decision is documented in each patch's docstring).
     """
 
     path: str
     wrapper: Callable[..., Any]
     when: Optional[Callable[[], bool]] = None
     everywhere: bool = False
+    reads: tuple[str, ...] = ()
+    proxy: bool = True
+    after_torch: str = KEEP_RESULT
 
 
 class Add(NamedTuple):

@@ -180,7 +180,7 @@ def identity(ctx: sc.Ctx, model: Model) -> dict[str, bool]:
     it) the caller's very objects and return its very result."""
     from torch.nn.utils import clip_grad
 
-    from fsdp_autopatch import _patching
+    from fsdp_autopatch import _isolation, _patching
     from fsdp_autopatch.patches import clip_grad_norm_multi_mesh as patch
 
     backward(ctx, model, nan=False)
@@ -194,10 +194,16 @@ def identity(ctx: sc.Ctx, model: Model) -> dict[str, bool]:
         return result
 
     total = torch.tensor(1.0)
+    def drive(wrapper, args):  # as the guard calls it, torch's function's signature, the stand-in
+        target = next(t for t in patch.PATCH.targets if t.wrapper is wrapper)
+        torch_function = _patching.original_of(*_patching.resolve(target.path))
+        return _isolation.run_wrapper(
+            wrapper, torch_stand_in, None, args, {}, target.reads, signature_of=torch_function
+        )
+
     out = {
-        "total_norm_result": patch._total_norm_across_meshes(torch_stand_in, None, (grads, 2.0, False, None), {})
-        is result,
-        "clip_result": patch._clip_across_meshes(torch_stand_in, None, (params, MAX_NORM, total, None), {}) is result,
+        "total_norm_result": drive(patch._total_norm_across_meshes, (grads, 2.0, False, None)) is result,
+        "clip_result": drive(patch._clip_across_meshes, (params, MAX_NORM, total, None)) is result,
     }
     (total_args, total_kwargs), (clip_args, clip_kwargs) = calls
     out["total_norm_args"] = total_args[0] is grads and total_args[1:] == (2.0, False, None) and total_kwargs == {}

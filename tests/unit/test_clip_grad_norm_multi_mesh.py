@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 clip_grad = pytest.importorskip("torch.nn.utils.clip_grad")
 pytest.importorskip("torch.distributed.fsdp")  # the plugin applies its patches here
 
-from fsdp_autopatch import _patching  # noqa: E402
+from fsdp_autopatch import _isolation, _patching  # noqa: E402
 from fsdp_autopatch.patches import clip_grad_norm_multi_mesh as clip  # noqa: E402
 
 # torch's own _get_total_norm, whether the plugin replaced it in this process or not
@@ -56,6 +56,14 @@ def test_norm_of_group_norms_is_torchs_norm_of_per_tensor_norms(norm_type):
     torch.testing.assert_close(clip._norm_of_group_norms(per_group, norm_type), whole)
 
 
+def _drive(wrapper, spy, args, kwargs):
+    """The wrapper as its guard calls it, with ``spy`` standing in for torch's function."""
+    target = next(t for t in clip.PATCH.targets if t.wrapper is wrapper)
+    owner, attribute = _patching.resolve(target.path)
+    torch_function = _patching.original_of(owner, attribute)  # its signature: the replacement's
+    return _isolation.run_wrapper(wrapper, spy, None, args, kwargs, target.reads, signature_of=torch_function)
+
+
 def _spy():
     calls = []
     result = object()
@@ -70,20 +78,20 @@ def _spy():
 def test_plain_tensors_reach_torch_as_the_callers_objects():
     tensors, _ = _tensors()
     spy, calls, result = _spy()
-    assert clip._total_norm_across_meshes(spy, None, (tensors, 2.0), {"foreach": False}) is result
+    assert _drive(clip._total_norm_across_meshes, spy, (tensors, 2.0), {"foreach": False}) is result
     assert calls[0][0][0] is tensors and calls[0][1] == {"foreach": False}
     params = [torch.nn.Parameter(t.clone()) for t in tensors]
     for p in params:
         p.grad = torch.ones_like(p)
     total = torch.tensor(3.0)
-    assert clip._clip_across_meshes(spy, None, (params,), {"max_norm": 1.0, "total_norm": total}) is result
+    assert _drive(clip._clip_across_meshes, spy, (params,), {"max_norm": 1.0, "total_norm": total}) is result
     assert calls[1][0][0] is params and calls[1][1]["total_norm"] is total
 
 
 def test_a_generator_reaches_torch_as_the_list_read_from_it():
     tensors, _ = _tensors()
     spy, calls, _ = _spy()
-    clip._total_norm_across_meshes(spy, None, (iter(tensors),), {})
+    _drive(clip._total_norm_across_meshes, spy, (iter(tensors),), {})
     assert type(calls[0][0][0]) is list and all(a is b for a, b in zip(calls[0][0][0], tensors))
 
 

@@ -17,7 +17,7 @@ import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if
 import torch.nn as nn  # noqa: E402
 
 import fsdp_autopatch  # noqa: E402
-from fsdp_autopatch import _compat  # noqa: E402
+from fsdp_autopatch import _compat, _isolation  # noqa: E402
 from fsdp_autopatch.patches import post_forward_mesh_cache as pfmc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,8 +59,14 @@ def stand_in():
     return calls, original
 
 
+def _torch_signature(reshard_after_forward, mesh_info):  # torch's _get_post_forward_mesh_info
+    raise AssertionError("only its signature is read")
+
+
 def call(original, *args, **kwargs):
-    return pfmc._shared_post_forward_mesh(original, None, args, kwargs)
+    return _isolation.run_wrapper(
+        pfmc._shared_post_forward_mesh, original, None, args, kwargs, pfmc._READS, signature_of=_torch_signature
+    )
 
 
 @pytest.fixture

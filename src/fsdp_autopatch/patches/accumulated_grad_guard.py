@@ -27,6 +27,11 @@ The replacement
     is exactly what the method would do for a parameter without a gradient. Every other call goes
     to torch's method unchanged.
 
+Call-time isolation
+    Our code (one read of ``_unsharded_param``) runs before torch's method; should it raise, torch's
+    method runs as without the patch (``_isolation``). A parameter a later torch adds is forwarded;
+    the early return only takes the place of torch's ``AttributeError``.
+
 Disable with ``FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED=0``.
 """
 
@@ -36,12 +41,21 @@ from .. import _compat, _events
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _METHOD = "to_accumulated_grad_if_needed"
+_REWRITE = "unsharded_grad_dtype"  # torch 2.15: the property its grad_dtype accumulation reads
 
 
 def _structural_check() -> Verdict:
-    method = _compat.class_attr(_compat.fsdp_class("_fsdp_param", "FSDPParam"), _METHOD)
+    fsdp_param = _compat.fsdp_class("_fsdp_param", "FSDPParam")
+    method = _compat.class_attr(fsdp_param, _METHOD)
     if method is None:
-        return not_needed(f"FSDPParam has no {_METHOD} (2.15 rewrote gradient accumulation; the crash path is gone)")
+        # Gone alone proves nothing (renamed?); gone with 2.15's Tensor.grad_dtype accumulation
+        # in its place is torch's rewrite, which never converts a never-unsharded parameter.
+        if isinstance(_compat.class_attr(fsdp_param, _REWRITE), property):
+            return not_needed(
+                f"FSDPParam has no {_METHOD}: gradients accumulate through Tensor.grad_dtype "
+                f"(FSDPParam.{_REWRITE}, 2.15's rewrite); the crash path is gone"
+            )
+        return unsupported(f"FSDPParam has no {_METHOD} and no {_REWRITE}: cannot tell, torch left untouched")
     if not _compat.reads_names(method, "_unsharded_param"):
         return unsupported(f"FSDPParam.{_METHOD} does not read _unsharded_param")
     return needed(f"FSDPParam.{_METHOD} reads the lazily created _unsharded_param")

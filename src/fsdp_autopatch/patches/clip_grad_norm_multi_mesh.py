@@ -51,18 +51,27 @@ Why in an FSDP2 plugin
     is the step every FSDP2 recipe runs next. The patch is armed with the others when FSDP2 is
     imported and changes nothing for one-mesh or non-DTensor inputs.
 
+Call-time isolation
+    The arguments the wrappers read (``tensors``, ``norm_type``, ``error_if_nonfinite``;
+    ``parameters``, ``total_norm``) are bound by name; every other one (``foreach``, PyTorch PR
+    194033's ``dtype``) is forwarded unchanged to torch's function, on one mesh and to each per-mesh
+    call. Should our code raise in the total norm, torch's ``_get_total_norm`` is called again with
+    the caller's arguments (a pure function; on several meshes that gives torch's own error); in
+    the clipping, every group is computed before torch scales the first, so nothing of ours runs
+    between torch's calls. The ``full_tensor()`` of each group's norm is a collective over that
+    group's mesh, issued in the same order on every rank.
+
 Disable with ``FSDP_AUTOPATCH_CLIP_GRAD_NORM_MULTI_MESH_ENABLED=0``.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
 
 from .. import _compat, _events
-from .._spec import Add, Patch, Verdict, needed, not_needed, unsupported
+from .._spec import CALL_AGAIN, KEEP_RESULT, Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _CLIP = "torch.nn.utils.clip_grad"
 _UTILS = "torch.nn.utils"
@@ -71,11 +80,12 @@ _UTILS = "torch.nn.utils"
 def _structural_check() -> Verdict:
     import torch.nn.utils.clip_grad as clip
 
+    # The parameters the wrappers read are checked by name from the targets' ``reads``
+    # (``_patching.contract_problem``); any other parameter (PyTorch PR 194033's ``dtype``) is
+    # forwarded to torch's function on every path, per-mesh groups included.
     total, scale = getattr(clip, "_get_total_norm", None), getattr(clip, "_clip_grads_with_norm_", None)
-    if total is None or _compat.first_parameters(total, 4) != ("tensors", "norm_type", "error_if_nonfinite", "foreach"):
-        return unsupported("clip_grad._get_total_norm(tensors, norm_type, error_if_nonfinite, foreach) not found")
-    if scale is None or _compat.first_parameters(scale, 4) != ("parameters", "max_norm", "total_norm", "foreach"):
-        return unsupported("clip_grad._clip_grads_with_norm_(parameters, max_norm, total_norm, foreach) not found")
+    if total is None or scale is None:
+        return unsupported("clip_grad._get_total_norm / _clip_grads_with_norm_ not found")
     if not _compat.reads_names(getattr(clip, "clip_grad_norm_", None), "_get_total_norm", "_clip_grads_with_norm_"):
         return unsupported("clip_grad_norm_ does not call _get_total_norm and _clip_grads_with_norm_")
     names = _names_read(_compat.code_of(total))
@@ -121,36 +131,34 @@ def _plain(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _first_replaced(args, kwargs, name, value):
-    return ((value, *args[1:]), kwargs) if args else (args, {**kwargs, name: value})
-
-
-def _total_norm_args(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    return tensors, norm_type, error_if_nonfinite, foreach
-
-
-def _clip_args(parameters, max_norm, total_norm, foreach=None):
-    return parameters, max_norm, total_norm, foreach
+def _as_list(wrapped, name):
+    """The argument ``name`` as a list: an iterator is read once, and torch (and any fallback)
+    then gets the list read here, not the spent iterator. None for a single tensor."""
+    value = wrapped.argument(name)
+    if isinstance(value, torch.Tensor):
+        return None
+    if not isinstance(value, (list, tuple)):
+        value = list(value)
+        wrapped.rebind(**{name: value})
+    return value
 
 
 def _total_norm_across_meshes(wrapped, instance, args, kwargs):
-    tensors, norm_type, error_if_nonfinite, foreach = _total_norm_args(*args, **kwargs)
-    if isinstance(tensors, torch.Tensor):
-        return wrapped(*args, **kwargs)
-    if not isinstance(tensors, (list, tuple)):
-        tensors = list(tensors)  # an iterator is read once: torch gets the list read here
-        args, kwargs = _first_replaced(args, kwargs, "tensors", tensors)
-    groups = _mesh_groups(tensors)
+    tensors = _as_list(wrapped, "tensors")
+    groups = _mesh_groups(tensors) if tensors is not None else None
     if groups is None:
-        return wrapped(*args, **kwargs)
+        return wrapped.again()  # the caller's arguments, every one as it came
     _fired("the total norm", len(tensors), groups)
+    norm_type = wrapped.argument("norm_type")
     with torch.no_grad():
         device = tensors[0].device
-        norms = [_plain(wrapped([tensors[i] for i in group], norm_type, False, foreach)) for group in groups]
+        subsets = [[tensors[i] for i in group] for group in groups]
+        # each group through torch's own function, every other argument (foreach, dtype) as given
+        norms = [_plain(wrapped.again(tensors=subset, error_if_nonfinite=False)) for subset in subsets]
         norms = [norm.to(device) for norm in norms]
         total = _norm_of_group_norms(torch.stack(norms), float(norm_type))
-        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-            wrapped([total], norm_type, True, foreach)  # raises torch's own message
+        if wrapped.argument("error_if_nonfinite") and torch.logical_or(total.isnan(), total.isinf()):
+            wrapped.again(tensors=[total], error_if_nonfinite=True)  # raises torch's own message
     return total
 
 
@@ -162,21 +170,19 @@ def _norm_of_group_norms(norms, norm_type: float):
 
 
 def _clip_across_meshes(wrapped, instance, args, kwargs):
-    parameters, max_norm, total_norm, foreach = _clip_args(*args, **kwargs)
-    if isinstance(parameters, torch.Tensor):
-        return wrapped(*args, **kwargs)
-    if not isinstance(parameters, (list, tuple)):
-        parameters = list(parameters)
-        args, kwargs = _first_replaced(args, kwargs, "parameters", parameters)
-    with_grad = [p for p in parameters if p.grad is not None]
-    groups = _mesh_groups([p.grad for p in with_grad])
+    parameters = _as_list(wrapped, "parameters")
+    with_grad = [p for p in parameters if p.grad is not None] if parameters is not None else []
+    groups = _mesh_groups([p.grad for p in with_grad]) if with_grad else None
     if groups is None:
-        return wrapped(*args, **kwargs)
+        return wrapped.again()
     _fired("the clipping", len(with_grad), groups)
     with torch.no_grad():
-        total_norm = _plain(total_norm)
-        for group in groups:
-            wrapped([with_grad[i] for i in group], max_norm, total_norm, foreach)
+        total_norm = _plain(wrapped.argument("total_norm"))
+        # Everything of ours is computed before torch scales the first group: once torch has
+        # scaled a group, nothing of ours can fail and leave the others unscaled.
+        subsets = [[with_grad[i] for i in group] for group in groups]
+        for subset in subsets:
+            wrapped.again(parameters=subset, total_norm=total_norm)
     return None
 
 
@@ -192,23 +198,15 @@ def _public(name):
     return lambda: hasattr(sys.modules.get(_UTILS), name)
 
 
-def _plain_wrap(path: str, wrapper, when=None) -> Add:
-    """Replace the function at ``path`` by a plain Python function that calls ``wrapper(torch's
-    function, None, args, kwargs)``. Not a wrapt proxy: ``torch.compile`` traces user code that
-    calls these functions, and dynamo's guard on a proxy's ``__closure__`` fails ("Guard failed on
-    the same frame it was created"); a plain function is traced like torch's own."""
-    name = path.rsplit(":", 1)[1]
+_TOTAL_READS = ("tensors", "norm_type", "error_if_nonfinite")
+_CLIP_READS = ("parameters", "total_norm")
 
-    def factory(owner):
-        original = getattr(owner, name)
 
-        @functools.wraps(original)
-        def replacement(*args, **kwargs):
-            return wrapper(original, None, args, kwargs)
-
-        return replacement
-
-    return Add(path, factory, when)
+def _replace(path: str, wrapper, reads, when=None, after_torch=KEEP_RESULT) -> Wrap:
+    """A plain function in place of torch's, not a wrapt proxy: ``torch.compile`` traces user code
+    that calls these functions, and dynamo's guard on a proxy's ``__closure__`` fails ("Guard
+    failed on the same frame it was created"); a plain function is traced like torch's own."""
+    return Wrap(path, wrapper, when=when, reads=reads, proxy=False, after_torch=after_torch)
 
 
 PATCH = Patch(
@@ -217,15 +215,21 @@ PATCH = Patch(
     symptom="RuntimeError: All operands in aten.stack.default must have the same mesh",
     trigger="clip_grad_norm_ / get_total_norm over FSDP2 gradients sharded on two or more meshes",
     upstream=("PyTorch issue 180346", "PyTorch PR 180501"),
-    # measured: every release 2.8 - 2.15 fails; 2.6 and 2.7 not read (structural check decides)
+    # measured: every release 2.8 - 2.15 fails; 2.6 and 2.7 not read (structural check decides).
+    # <2.16 means "measured up to 2.15", not "fixed in 2.16": on a later release the check decides.
     affected=">=2.8,<2.16",
     check=_structural_check,
     # the public names are the same functions bound under other names: each needs its own target
+    # The public names are the same functions bound under other names: each needs its own target.
+    # If our code raises after torch ran: the total norm is computed again by torch (a pure
+    # function); the clipping keeps torch's result (nothing of ours runs between its groups).
     targets=(
-        _plain_wrap(f"{_CLIP}:_get_total_norm", _total_norm_across_meshes),
-        _plain_wrap(f"{_CLIP}:_clip_grads_with_norm_", _clip_across_meshes),
-        _plain_wrap(f"{_UTILS}:get_total_norm", _total_norm_across_meshes, when=_public("get_total_norm")),
-        _plain_wrap(f"{_UTILS}:clip_grads_with_norm_", _clip_across_meshes, when=_public("clip_grads_with_norm_")),
+        _replace(f"{_CLIP}:_get_total_norm", _total_norm_across_meshes, _TOTAL_READS, after_torch=CALL_AGAIN),
+        _replace(f"{_CLIP}:_clip_grads_with_norm_", _clip_across_meshes, _CLIP_READS),
+        _replace(f"{_UTILS}:get_total_norm", _total_norm_across_meshes, _TOTAL_READS,
+                 when=_public("get_total_norm"), after_torch=CALL_AGAIN),
+        _replace(f"{_UTILS}:clip_grads_with_norm_", _clip_across_meshes, _CLIP_READS,
+                 when=_public("clip_grads_with_norm_")),
     ),
     changes="multi-mesh gradients are normed and clipped per mesh, then combined",
 )

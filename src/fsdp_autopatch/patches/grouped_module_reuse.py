@@ -40,6 +40,13 @@ The replacement
     units, groups that complete in the forward and calls outside a root forward (chunked loss)
     are never hooked.
 
+Call-time isolation
+    ``_register_group_forward_hooks`` gets three hooks of ours around torch's; in each, our part
+    (forgetting or remembering nodes) runs isolated and torch's hook runs unguarded, so torch's
+    errors stay torch's. The force-complete wrapper's work runs after torch's; should it raise,
+    torch's output is returned without the extra hooks (the bug's behaviour, as without the
+    patch). All of it is local to the rank: no collective.
+
 Disable with ``FSDP_AUTOPATCH_GROUPED_MODULE_REUSE_ENABLED=0``.
 """
 
@@ -49,14 +56,17 @@ import weakref
 
 import torch
 
-from .. import _compat, _events
+from .. import _compat, _events, _isolation
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
+NAME = "grouped_module_reuse"
 _STATE = f"{_compat.FSDP2_PACKAGE}._fsdp_state"
 _FORCE_COMPLETE = "_force_complete_incomplete_states"
-_GROUP_HOOK_PARAMETERS = ("modules", "pre_hook", "post_hook", "modules_to_run", "cast_output_dtype")
+_HOOKS = ("pre_hook", "post_hook", "cast_output_dtype")  # what the wrapper replaces, by name
 # torch's partial path removes the module from the set and compares its length, nothing else
 _PARTIAL_PATH_NAMES = {"remove", "len"}
+# the FSDPState methods the root's _post_forward of 2.6 - 2.12 calls (read in the 2.8 and 2.12 wheels)
+_POST_FORWARD_CALLS = {"_register_pre_backward_hook", "_cast_output_dtype"}
 _PARTIAL_PATH_FREEVARS = {"cast_output_dtype", "module", "modules_to_run", "post_hook"}
 _WITHOUT = "RuntimeError: setStorage: ... out of bounds for storage of size 0 in backward"
 
@@ -71,11 +81,12 @@ def _structural_check() -> Verdict:
     state_class = state_module.FSDPState
     force = _compat.class_attr(state_class, _FORCE_COMPLETE)
     if force is None:
-        reason = f"no FSDPState.{_FORCE_COMPLETE}: a partial group stays unsharded until backward"
-        return not_needed(reason, conclusive=True)
+        return _without_force_complete(state_class)
+    # pre_hook / post_hook / cast_output_dtype are checked by name from the target's ``reads``;
+    # every other argument is forwarded as it came.
     group_hooks = getattr(state_module, "_register_group_forward_hooks", None)
-    if group_hooks is None or _compat.first_parameters(group_hooks, 5) != _GROUP_HOOK_PARAMETERS:
-        return unsupported("_register_group_forward_hooks(..., cast_output_dtype) not found")
+    if group_hooks is None:
+        return unsupported("_fsdp_state._register_group_forward_hooks not found")
     if not _compat.reads_names(force, "_modules_to_run_forward", "post_forward"):
         return unsupported(f"FSDPState.{_FORCE_COMPLETE} differs from the measured releases")
     if not _compat.reads_names(_compat.class_attr(state_class, "_post_forward"), _FORCE_COMPLETE):
@@ -86,6 +97,28 @@ def _structural_check() -> Verdict:
     if not set(partial.co_names) <= _PARTIAL_PATH_NAMES:
         return not_needed("the group post-hook's partial path does more than cast the output")
     return needed("a grouped unit's partial post-forward registers no pre-backward hook; the root force-completes it")
+
+
+def _without_force_complete(state_class: type) -> Verdict:
+    """No force-complete: not needed only if the root's post-forward is the one of 2.6 - 2.12,
+    which calls no FSDPState method that could complete (reshard) another unit's group. A missing
+    method alone proves nothing: torch may have renamed it."""
+    post_forward = _compat.class_attr(state_class, "_post_forward")
+    code = _compat.code_of(post_forward)
+    if code is None:
+        return unsupported("FSDPState._post_forward not found")
+    calls = {name for name in code.co_names if callable(_compat.class_attr(state_class, name))}
+    unknown = sorted(calls - _POST_FORWARD_CALLS)
+    if unknown:
+        return unsupported(
+            f"no FSDPState.{_FORCE_COMPLETE}, but _post_forward calls {', '.join(unknown)}: "
+            "cannot tell whether it completes other groups, torch left untouched"
+        )
+    return not_needed(
+        f"no FSDPState.{_FORCE_COMPLETE} and _post_forward completes no other group: "
+        "a partial group stays unsharded until backward",
+        conclusive=True,
+    )
 
 
 def _grad_nodes(output) -> list:
@@ -111,31 +144,33 @@ def _remember(state, output) -> None:
 
 
 def _hook_partial_outputs(wrapped, instance, args, kwargs):
-    modules, pre_hook, post_hook, modules_to_run, cast_output_dtype = _group_hook_args(*args, **kwargs)
+    pre_hook, post_hook, cast_output_dtype = (wrapped.argument(name) for name in _HOOKS)
     state = getattr(post_hook, "__self__", None)  # FSDPState.init hands over its bound _post_forward
     if state is None:
         return wrapped(*args, **kwargs)
     forward = _compat.fsdp_module("_fsdp_common").TrainingState.FORWARD
 
+    # Torch calls these three in every forward: our part of each is isolated (on an exception of
+    # ours the patch is recorded failed and torch's hook still runs), torch's hooks run unguarded.
     def start_pass(*hook_args, **hook_kwargs):
-        if state._training_state is not forward:  # a new pass: what an earlier one left is stale
-            _remembered.pop(state, None)
+        _isolation.isolated(NAME, _forget_if_new_pass, state, forward)
         return pre_hook(*hook_args, **hook_kwargs)
 
     def complete(*hook_args, **hook_kwargs):  # torch hooks the completing output, fed by the pass
-        _remembered.pop(state, None)
+        _isolation.isolated(NAME, _remembered.pop, state, None)
         return post_hook(*hook_args, **hook_kwargs)
 
     def cast_and_remember(output):  # the partial path: torch only casts here
         output = cast_output_dtype(output)
-        _remember(state, output)
+        _isolation.isolated(NAME, _remember, state, output)
         return output
 
-    return wrapped(modules, start_pass, complete, modules_to_run, cast_and_remember)
+    return wrapped.again(pre_hook=start_pass, post_hook=complete, cast_output_dtype=cast_and_remember)
 
 
-def _group_hook_args(modules, pre_hook, post_hook, modules_to_run, cast_output_dtype):
-    return modules, pre_hook, post_hook, modules_to_run, cast_output_dtype
+def _forget_if_new_pass(state, forward) -> None:
+    if state._training_state is not forward:  # a new pass: what an earlier one left is stale
+        _remembered.pop(state, None)
 
 
 def _unshard_before(state):
@@ -158,7 +193,7 @@ def _hook_remembered_outputs(wrapped, root_state, args, kwargs):
                 continue
             hooked.add(id(node))
             node.register_prehook(_unshard_before(state))
-            _events.fired("grouped_module_reuse", _WITHOUT, f"a repeat call of {_modules_of(state)}")
+            _events.fired(NAME, _WITHOUT, f"a repeat call of {_modules_of(state)}")
     for state in states:
         _remembered.pop(state, None)
     return output
@@ -169,16 +204,17 @@ def _modules_of(state) -> str:
 
 
 PATCH = Patch(
-    name="grouped_module_reuse",
+    name=NAME,
     summary="a grouped unit's module called again in the root's forward (MTP head) keeps its weights for backward",
     symptom="RuntimeError: setStorage: ... out of bounds for storage of size 0",
     trigger="fully_shard([norm, head]), head called again inside the root's forward, its output not returned",
     upstream=("PyTorch issue 183702", "PyTorch PR 180428"),
-    # measured: 2.13 - 2.15 fail, 2.8 - 2.12 right (no force-complete; nor in 2.6, 2.7)
+    # measured: 2.13 - 2.15 fail, 2.8 - 2.12 right (no force-complete; nor in 2.6, 2.7).
+    # <2.16 means "measured up to 2.15", not "fixed in 2.16": on a later release the check decides.
     affected=">=2.13,<2.16",
     check=_structural_check,
     targets=(
-        Wrap(f"{_STATE}:_register_group_forward_hooks", _hook_partial_outputs),
+        Wrap(f"{_STATE}:_register_group_forward_hooks", _hook_partial_outputs, reads=_HOOKS),
         Wrap(f"{_STATE}:FSDPState.{_FORCE_COMPLETE}", _hook_remembered_outputs),
     ),
     changes="repeat calls of a grouped unit inside the root's forward get its pre-backward hook",

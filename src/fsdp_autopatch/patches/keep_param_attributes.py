@@ -59,6 +59,12 @@ The replacement
     parameter, the first time it carries a non-empty set of attributes. It raises nothing of its
     own: an attribute a parameter subclass refuses (a read-only slot) is left out.
 
+Call-time isolation
+    The mirroring runs before torch installs the parameter (``_setattr_on_modules``) and after
+    ``FSDPModule._apply``. Should it raise, torch installs the parameter (or ``_apply``'s result is
+    returned) without the attributes, as without the patch. Local to the rank: no collective.
+    ``param`` is read by name; any other argument is forwarded.
+
 Disable with ``FSDP_AUTOPATCH_KEEP_PARAM_ATTRIBUTES_ENABLED=0``.
 """
 
@@ -94,8 +100,9 @@ def _reads_any(func: Any, *names: str) -> bool:
 def check_fsdp_param(cls: type) -> Verdict:
     """The structural verdict for an ``FSDPParam`` class (torch's, or a stand-in in the tests)."""
     setter, init = _compat.class_attr(cls, _SETTER), _compat.class_attr(cls, _INIT)
-    if setter is None or _compat.first_parameters(setter, 2) != ("self", "param"):
-        return unsupported(f"FSDPParam.{_SETTER}(self, param) not found")
+    # ``param`` is checked by name from the target's ``reads``; any other argument is forwarded.
+    if setter is None:
+        return unsupported(f"FSDPParam.{_SETTER} not found")
     if not _compat.reads_names(setter, "_module_info", "module", "param_name"):
         return unsupported(f"FSDPParam.{_SETTER} does not install through _module_info.module / param_name")
     swaps_through_setter = all(_compat.reads_names(_compat.class_attr(cls, swap), _SETTER) for swap in _SWAPS)
@@ -215,7 +222,7 @@ def _keep_attributes(wrapped, fsdp_param, args, kwargs):
         # would break the graph. The sharded parameters got their attributes eagerly at
         # fully_shard and keep them; only the unsharded one inside the compiled region lacks them.
         return wrapped(*args, **kwargs)
-    incoming = args[0] if args else kwargs.get("param")
+    incoming = wrapped.argument("param")
     outgoing = _param_on_module(fsdp_param)
     if outgoing is not None and incoming is not None and outgoing is not incoming:
         _carry(fsdp_param, vars(outgoing), incoming, "the parameter swap")
@@ -251,7 +258,7 @@ PATCH = Patch(
     affected=">=2.6",
     check=_structural_check,
     targets=(
-        Wrap(f"{_FSDP2}._fsdp_param:FSDPParam.{_SETTER}", _keep_attributes),
+        Wrap(f"{_FSDP2}._fsdp_param:FSDPParam.{_SETTER}", _keep_attributes, reads=("param",)),
         Wrap(f"{_FSDP2}._fully_shard:FSDPModule._apply", _keep_attributes_across_apply, when=_fsdp_module_has_apply),
     ),
     changes="parameter swaps and FSDPModule._apply carry the replaced parameter's public, non-tensor attributes",

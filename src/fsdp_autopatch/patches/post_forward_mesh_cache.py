@@ -43,6 +43,17 @@ The replacement
     a hang). Holding it costs a ``DeviceMesh`` object: its process groups stay registered in
     ``torch.distributed`` until ``destroy_process_group()`` with or without the patch.
 
+Call-time isolation
+    The lookup runs before torch's function, the remembering after it. Should the lookup raise,
+    torch builds the mesh; should the remembering raise, torch's mesh is returned and not
+    remembered; either way the patch then steps aside on every later call. Across ranks: building
+    a mesh is collective (``new_group`` on every rank of the world), so hit or miss must agree on
+    every rank. A failure caused by a changed torch strikes every rank at the same call, and every
+    rank then builds alike; a failure on one rank only makes it build a mesh its peers take from
+    the cache, and its ``new_group`` waits until the process group's timeout. A parameter a later
+    torch adds is part of the lookup key (a call is served remembered only when every argument is
+    the same; an unhashable one goes to torch).
+
 Disable with ``FSDP_AUTOPATCH_POST_FORWARD_MESH_CACHE_ENABLED=0``.
 """
 
@@ -59,12 +70,15 @@ NAME = "post_forward_mesh_cache"
 _FUNCTION = "_get_post_forward_mesh_info"
 # what torch builds the post-forward mesh from: the inputs the lookup key stands for
 _BUILT_FROM = ("DeviceMesh", "HSDPMeshInfo", "mesh", "view", "device_type", "shard_mesh_size")
+_READS = ("reshard_after_forward", "mesh_info")
 
 
 def _structural_check() -> Verdict:
+    # reshard_after_forward and mesh_info are checked by name from the target's ``reads``; any
+    # other argument goes into the lookup key (a hit needs an identical call).
     function = getattr(_compat.fsdp_module("_fsdp_init"), _FUNCTION, None)
-    if function is None or _compat.first_parameters(function, 2) != ("reshard_after_forward", "mesh_info"):
-        return unsupported(f"{_FUNCTION}(reshard_after_forward, mesh_info) not found")
+    if function is None:
+        return unsupported(f"_fsdp_init.{_FUNCTION} not found")
     code = _compat.code_of(function)
     if any("cache" in name.lower() for name in code.co_names):
         return not_needed(f"{_FUNCTION} already reuses post-forward meshes (it reads a cache)", conclusive=True)
@@ -130,20 +144,26 @@ def current_world() -> tuple[Any, int] | None:
     return world, dist.get_rank()
 
 
-def _arguments(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    reshard_after_forward = args[0] if args else kwargs.get("reshard_after_forward")
-    mesh_info = args[1] if len(args) > 1 else kwargs.get("mesh_info")
-    return reshard_after_forward, mesh_info
+def _other_arguments(wrapped) -> tuple | None:
+    """Every argument besides the two the key is built from, hashable, or None (then torch decides
+    alone): a parameter a later torch adds must be the same for a call to be served remembered."""
+    others = wrapped.binder.unread(wrapped.args, wrapped.kwargs, _READS)
+    try:
+        hash(others)
+    except TypeError:
+        return None
+    return others
 
 
 def _shared_post_forward_mesh(wrapped, instance, args, kwargs):
-    reshard_after_forward, mesh_info = _arguments(args, kwargs)
+    reshard_after_forward, mesh_info = wrapped.argument(_READS[0]), wrapped.argument(_READS[1])
     layout = layout_key(reshard_after_forward, mesh_info)
-    here = current_world() if layout is not None else None
+    others = _other_arguments(wrapped) if layout is not None else None
+    here = current_world() if others is not None else None
     if here is None:
         return wrapped(*args, **kwargs)
     world, rank = here
-    key = (rank, *layout)
+    key = (rank, *layout, others)
     shared = SHARED.get(world, key)
     if shared is not None:
         _events.fired(
@@ -173,10 +193,15 @@ PATCH = Patch(
         "PyTorch PR 187161",
         "NeMo Automodel patch_fsdp_post_forward_mesh_cache",
     ),
-    # the same function in every release 2.6 - 2.15 (measured 2.8 - 2.15; read in the 2.6, 2.7 wheels)
+    # the same function in every release 2.6 - 2.15 (measured 2.8 - 2.15; read in the 2.6, 2.7 wheels).
+    # <2.16 means "measured up to 2.15", not "fixed in 2.16": on a later release the check decides.
     affected=">=2.6,<2.16",
     check=_structural_check,
     # everywhere: _fully_shard imported the function by name
-    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_init:{_FUNCTION}", _shared_post_forward_mesh, everywhere=True),),
+    targets=(
+        Wrap(
+            f"{_compat.FSDP2_PACKAGE}._fsdp_init:{_FUNCTION}", _shared_post_forward_mesh, everywhere=True, reads=_READS
+        ),
+    ),
     changes="units with equal (mesh layout, reshard_after_forward) get one post-forward mesh",
 )

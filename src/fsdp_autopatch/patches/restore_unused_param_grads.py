@@ -51,6 +51,18 @@ The replacement
         lost, and so is its usage probe.
     A unit whose fill is off records nothing and adds no collective at all.
 
+Call-time isolation
+    The usage probe runs before torch's ``post_backward``; the restore runs after torch's callback
+    (or ``_end_backward_iteration``) returned. Should our code raise before torch's call, torch's
+    runs; after it, torch's result is kept and the zeros stay (torch's behaviour, not a wrong one:
+    the optimizer sees exact zeros). The usage all-reduce is torch's collective
+    (``_isolation.torch_call``): what it raises (a peer's timeout) propagates. Across ranks: the
+    probes and flags are built before the all-reduce on every rank, so a failure caused by a
+    changed torch strikes every rank before it and no rank enters it; a failure on one rank only
+    leaves its peers in the all-reduce until the process group's timeout (gloo raises, NCCL's
+    watchdog aborts), which then propagates as torch's error. After the all-reduce only local
+    assignments (``grad = None``) remain.
+
 Limitation
     Under HSDP with the all-reduce deferred (``set_requires_all_reduce(False)``), a reduction that
     folds into a pending partial reduce is not treated as creating the gradient (the partial reduce
@@ -67,7 +79,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _compat, _events
+from .. import _compat, _events, _isolation
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 from . import unused_param_reduction
 
@@ -175,8 +187,8 @@ def restore_unused(groups: list[Any]) -> None:
         flags = [int(used) for _, probe in entries for used in probe.used]
         if domain and flags:
             packed = torch.tensor(flags, dtype=torch.int32, device=entries[0][0].device)
-            for process_group in domain:
-                dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=process_group)
+            for process_group in domain:  # torch's collective: what it raises is torch's
+                _isolation.torch_call(dist.all_reduce, packed, op=dist.ReduceOp.MAX, group=process_group)
             flags = packed.tolist()
         position = 0
         for group, probe in entries:

@@ -31,6 +31,13 @@ The replacement
     untouched (same tensor objects), and non-float mixtures (or dtypes without a promotion, such as
     fp8) are left alone so torch's assertion still fires for a genuine error.
 
+Call-time isolation
+    Our code runs before torch's ``foreach_reduce``; the list is either fully converted or left as
+    it came (the conversions are made first). Should our code raise, ``foreach_reduce`` runs on the
+    list as torch built it, and torch's assertion fires as without the patch. ``fsdp_params`` and
+    ``unsharded_grads`` are read by name; any other argument is forwarded. Entries that are not
+    tensors leave the list to torch.
+
 Disable with ``FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0``.
 """
 
@@ -49,9 +56,11 @@ _ASSERT_MESSAGE = "expects uniform gradient dtype"
 
 
 def _structural_check() -> Verdict:
+    # The parameters the wrapper reads (fsdp_params, unsharded_grads) are checked by name from the
+    # target's ``reads``; every other one is forwarded as it came.
     function = getattr(_compat.fsdp_module("_fsdp_collectives"), _FUNCTION, None)
-    if function is None or _compat.first_parameters(function, 2) != ("fsdp_params", "unsharded_grads"):
-        return unsupported(f"{_FUNCTION}(fsdp_params, unsharded_grads, ...) not found")
+    if function is None:
+        return unsupported(f"_fsdp_collectives.{_FUNCTION} not found")
     if not _compat.has_string_constant(function, _ASSERT_MESSAGE):
         return not_needed(f"{_FUNCTION} does not assert a uniform gradient dtype")
     return needed(f"{_FUNCTION} asserts a uniform gradient dtype")
@@ -67,29 +76,29 @@ def widest_float_dtype(dtypes) -> Any:
 
 def make_uniform(grads: list) -> Any:
     """Convert, in place, mixed floating-point gradients to their promoted dtype; returns the
-    dtypes it found mixed, or None when it changed nothing."""
+    dtypes it found mixed, or None when it changed nothing. All conversions are made before the
+    list is touched: the list is either fully converted or left as it came."""
+    if not all(isinstance(grad, torch.Tensor) for grad in grads):
+        return None  # something torch will judge itself
     dtypes = {grad.dtype for grad in grads}
     if len(dtypes) < 2 or not all(dtype.is_floating_point for dtype in dtypes):
         return None
     target = widest_float_dtype(dtypes)
     if target is None:
         return None
-    for index, grad in enumerate(grads):
-        if grad.dtype != target:
-            grads[index] = grad.to(target)
+    grads[:] = [grad if grad.dtype == target else grad.to(target) for grad in grads]
     return dtypes
 
 
 def _uniform_dtype_reduce(wrapped, instance, args, kwargs):
-    grads = args[1] if len(args) > 1 else kwargs.get("unsharded_grads")
-    mixed = make_uniform(grads) if grads else None
+    grads = wrapped.argument("unsharded_grads")
+    mixed = make_uniform(grads) if isinstance(grads, list) and grads else None
     if mixed:
-        fsdp_params = args[0] if args else kwargs.get("fsdp_params", ())
         shown = ", ".join(sorted(str(dtype).replace("torch.", "") for dtype in mixed))
         _events.fired(
             "uniform_reduce_dtype",
             f"AssertionError: FSDP reduce-scatter expects uniform gradient dtype (got {shown})",
-            f"reduce-scatter of {_events.param_names(fsdp_params)}",
+            f"reduce-scatter of {_events.param_names(wrapped.argument('fsdp_params') or ())}",
         )
     return wrapped(*args, **kwargs)
 
@@ -105,7 +114,14 @@ PATCH = Patch(
     # foreach_reduce asserts one gradient dtype from FSDP2's start up to 2.14; 2.15 removed it.
     affected=">=2.6,<2.15",
     check=_structural_check,
-    # everywhere: _fsdp_param_group imported foreach_reduce by name
-    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_collectives:{_FUNCTION}", _uniform_dtype_reduce, everywhere=True),),
+    # everywhere: _fsdp_param_group imported foreach_reduce by name (found by the object, any name)
+    targets=(
+        Wrap(
+            f"{_compat.FSDP2_PACKAGE}._fsdp_collectives:{_FUNCTION}",
+            _uniform_dtype_reduce,
+            everywhere=True,
+            reads=("fsdp_params", "unsharded_grads"),
+        ),
+    ),
     changes="mixed gradient dtypes are widened",
 )

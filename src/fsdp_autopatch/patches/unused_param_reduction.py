@@ -33,6 +33,14 @@ The replacement
       zero torch 2.13 appends). The zero has ``param_dtype``; mixing it with fp32 accumulated
       gradients is what ``uniform_reduce_dtype`` handles.
 
+Call-time isolation
+    The fill runs before torch's ``post_backward``, and the list of parameters to fill is built
+    before the first zero is set. Should our code raise, torch's ``post_backward`` runs without the
+    fill: the reduce-scatters of that unit may differ across ranks, as without the patch. A
+    failure caused by a changed torch strikes every rank at the same parameter, so every rank
+    fills alike; a failure on one rank only (out of memory in ``zeros_like``) leaves that rank's
+    reduce-scatter shorter, the failure the fill exists to prevent.
+
 Policy
     ``FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1``: every FSDP unit starts with the flag on, on
     every torch version, for users who cannot edit their training code

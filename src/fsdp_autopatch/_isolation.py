@@ -1,0 +1,272 @@
+"""Call-time isolation: what the import hook guarantees for ``import torch``, every wrapper
+guarantees for each call.
+
+Every wrapper a patch declares (``_spec.Wrap``) runs inside :func:`guard`. Torch's original is
+handed to it as a :class:`Call`, which records whether torch ran and what torch raised:
+
+* our code raises *before* torch's original ran: the original runs with the caller's arguments,
+  untouched, and its result (or its own exception) is what the caller gets;
+* our code raises *after* torch's original ran: ``Wrap.after_torch`` decides, per wrapper, between
+  returning torch's result (:data:`~fsdp_autopatch._spec.KEEP_RESULT`: the follow-up is skipped) and
+  calling torch again (:data:`~fsdp_autopatch._spec.CALL_AGAIN`, for pure functions);
+* either way the patch's record turns ``failed`` ("failed at call time: <exception> in <our
+  function>"), one WARNING goes to the ``fsdp_autopatch`` logger (once per patch and process),
+  and every later call of that patch's wrappers goes straight to torch;
+* exceptions torch raises (inside the original, or in a collective we call through
+  :func:`torch_call`) and the errors we raise on purpose (:func:`for_the_user`, e.g. the
+  cross-rank check) propagate unchanged: torch's errors are never swallowed;
+* ``FSDP_AUTOPATCH_STRICT=1`` (:func:`set_strict`) records and then re-raises.
+
+What such a failure can and cannot protect against across ranks: a failure of ours that is the
+same on every rank (a torch whose internals changed: the common case) fails at the same point on
+every rank, so every rank falls back alike. A failure on one rank only (out of memory inside our
+code) makes that rank skip what its peers do; where our code issues a collective (the restore's
+all-reduce, the cross-rank check's store reads) its peers then wait until the process group's
+timeout. Each patch's docstring says where its code runs relative to torch's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+from ._registry import CALL_TIME_FAILURE, REGISTRY
+from ._spec import CALL_AGAIN
+
+logger = logging.getLogger("fsdp_autopatch")
+
+_PACKAGE = __name__.rpartition(".")[0]
+_TORCH_ERROR = "__fsdp_autopatch_origin__"  # attribute on an exception: "torch" or "deliberate"
+_lock = threading.Lock()
+_failed: dict[str, str] = {}  # patch name -> why it failed at call time (later calls go to torch)
+_settings = {"strict": False}
+
+
+def set_strict(strict: bool) -> None:
+    """``FSDP_AUTOPATCH_STRICT=1``: a failure at call time is recorded, then raised."""
+    _settings["strict"] = bool(strict)
+
+
+def has_failed(patch_name: str) -> bool:
+    """Whether the patch failed at call time in this process (its wrappers now pass through)."""
+    return patch_name in _failed
+
+
+def forget(patch_name: str | None = None) -> None:
+    """Forget call-time failures (tests; a reverted patch starts afresh)."""
+    with _lock:
+        if patch_name is None:
+            _failed.clear()
+        else:
+            _failed.pop(patch_name, None)
+
+
+# --- arguments, by name ----------------------------------------------------------------------
+
+
+class Binder:
+    """Where each parameter a wrapper reads sits in a call: computed once from the real signature.
+
+    ``skip_self``: the wrapped callable is a method, and wrapt hands the wrapper the arguments
+    without ``self``.
+    """
+
+    __slots__ = ("positions", "defaults", "missing")
+
+    def __init__(self, function: Any, names: tuple[str, ...], skip_self: bool = False) -> None:
+        parameters = list(inspect.signature(function).parameters.values())[1 if skip_self else 0:]
+        self.positions: dict[str, int | None] = {}
+        self.defaults: dict[str, Any] = {}
+        positional = True
+        for index, parameter in enumerate(parameters):
+            if parameter.kind is parameter.VAR_POSITIONAL:
+                positional = False
+                continue
+            if parameter.kind is parameter.VAR_KEYWORD:
+                continue
+            can_be_positional = positional and parameter.kind is not parameter.KEYWORD_ONLY
+            self.positions[parameter.name] = index if can_be_positional else None
+            if parameter.default is not parameter.empty:
+                self.defaults[parameter.name] = parameter.default
+        self.missing = tuple(name for name in names if name not in self.positions)
+
+    def value(self, args: tuple, kwargs: dict, name: str) -> Any:
+        position = self.positions[name]
+        if position is not None and position < len(args):
+            return args[position]
+        if name in kwargs:
+            return kwargs[name]
+        return self.defaults.get(name)
+
+    def unread(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:
+        """Every argument of the call other than ``names``: positional ones by position, keyword
+        ones by name (sorted), as a tuple."""
+        skipped = {self.positions[name] for name in names if self.positions.get(name) is not None}
+        positional = tuple(value for index, value in enumerate(args) if index not in skipped)
+        keywords = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+        return positional, keywords
+
+    def replaced(self, args: tuple, kwargs: dict, changes: dict) -> tuple[tuple, dict]:
+        """The same call with ``changes`` put where each argument came (or would come) from."""
+        args, kwargs = list(args), dict(kwargs)
+        for name, value in changes.items():
+            position = self.positions[name]
+            if position is not None and position < len(args):
+                args[position] = value
+            else:
+                kwargs[name] = value
+        return tuple(args), kwargs
+
+
+NO_BINDER = Binder(lambda: None, ())
+
+
+class Call:
+    """Torch's original as a wrapper sees it: one object per call.
+
+    ``call(*args, **kwargs)`` runs torch's original and records that it ran (and what it raised).
+    ``call.argument(name)`` reads an argument of the caller's call by name;
+    ``call.again(name=value, ...)`` runs torch's original with the caller's arguments, those named
+    replaced, every other one forwarded exactly as it came. ``call.rebind(...)`` makes such a
+    change the caller's call from now on (an iterator read into a list: torch, and any fallback,
+    must see the list, not the spent iterator).
+    """
+
+    __slots__ = ("original", "args", "kwargs", "binder", "ran", "error", "result")
+
+    def __init__(self, original: Any, args: tuple, kwargs: dict, binder: Binder = NO_BINDER) -> None:
+        self.original, self.args, self.kwargs, self.binder = original, args, kwargs, binder
+        self.ran, self.error, self.result = False, None, None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.ran = True
+        try:
+            self.result = self.original(*args, **kwargs)
+        except BaseException as error:
+            self.error = error
+            raise
+        return self.result
+
+    def argument(self, name: str) -> Any:
+        return self.binder.value(self.args, self.kwargs, name)
+
+    def again(self, **changes: Any) -> Any:
+        args, kwargs = self.binder.replaced(self.args, self.kwargs, changes)
+        return self(*args, **kwargs)
+
+    def rebind(self, **changes: Any) -> None:
+        self.args, self.kwargs = self.binder.replaced(self.args, self.kwargs, changes)
+
+    def fallback(self) -> Any:
+        """Torch's original with the caller's arguments (as rebound), untracked."""
+        return self.original(*self.args, **self.kwargs)
+
+
+# --- the guard ------------------------------------------------------------------------------
+
+
+def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_torch: str) -> Callable[..., Any]:
+    """``wrapper`` isolated at call time; wrapt's signature ``(wrapped, instance, args, kwargs)``."""
+    compiling = _is_compiling_function()
+
+    def guarded(wrapped, instance, args, kwargs):
+        if patch_name in _failed:
+            return wrapped(*args, **kwargs)
+        call = Call(wrapped, args, kwargs, binder)
+        if compiling():  # Dynamo traces this: no try/except around the traced user code
+            return wrapper(call, instance, args, kwargs)
+        try:
+            return wrapper(call, instance, args, kwargs)
+        except Exception as error:
+            if error is call.error or getattr(error, _TORCH_ERROR, None) is not None:
+                raise  # torch's own error, or one we raise for the user on purpose
+            record_failure(patch_name, error)
+            if _settings["strict"]:
+                raise
+            if not call.ran or after_torch == CALL_AGAIN:
+                return call.fallback()
+            return call.result
+
+    guarded.__fsdp_autopatch_guard__ = patch_name  # type: ignore[attr-defined]
+    return guarded
+
+
+def isolated(patch_name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run our own ``function`` (one that torch calls back, inside a hook we installed); on an
+    exception of ours the failure is recorded and None returned. Skipped once the patch failed."""
+    if patch_name in _failed:
+        return None
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:
+        if getattr(error, _TORCH_ERROR, None) is not None:
+            raise
+        record_failure(patch_name, error)
+        if _settings["strict"]:
+            raise
+        return None
+
+
+def torch_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call torch (a collective, typically) from our code: what it raises is torch's and propagates."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:
+        _tag(error, "torch")
+        raise
+
+
+def for_the_user(error: BaseException) -> BaseException:
+    """Mark an error we raise on purpose (the cross-rank check's): the guard lets it through."""
+    _tag(error, "deliberate")
+    return error
+
+
+def _tag(error: BaseException, origin: str) -> None:
+    try:
+        setattr(error, _TORCH_ERROR, origin)
+    except (AttributeError, TypeError):  # an exception type with __slots__: it stays untagged
+        pass
+
+
+def record_failure(patch_name: str, error: BaseException) -> None:
+    """The patch failed at call time: registry ``failed``, one warning, later calls to torch."""
+    error_text = f"{type(error).__name__}: {error}"
+    reason = f"{CALL_TIME_FAILURE}: {error_text} in {where(error)}; torch's own code runs from then on"
+    with _lock:
+        if patch_name in _failed:
+            return
+        _failed[patch_name] = reason
+    REGISTRY.record_call_failure(patch_name, reason)
+    logger.warning("%s %s", patch_name, reason, exc_info=error)
+
+
+def where(error: BaseException) -> str:
+    """The innermost function of this package in ``error``'s traceback: ``module.function``."""
+    found = _PACKAGE
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_globals.get("__name__", "")
+        if (module == _PACKAGE or module.startswith(_PACKAGE + ".")) and module != __name__:
+            code = frame.f_code
+            found = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+        tb = tb.tb_next
+    return found
+
+
+def _is_compiling_function() -> Callable[[], bool]:
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    return is_compiling if callable(is_compiling) else (lambda: False)
+
+
+def run_wrapper(wrapper, original, instance, args, kwargs, reads=(), signature_of=None, skip_self=False):
+    """Call ``wrapper`` as its guard would, without the isolation: for tests and benchmarks that
+    drive a wrapper with a stand-in for torch's function. ``signature_of``: the function whose
+    signature ``reads`` are bound against (default: ``original``)."""
+    binder = Binder(signature_of or original, tuple(reads), skip_self) if reads else NO_BINDER
+    return wrapper(Call(original, args, kwargs, binder), instance, args, kwargs)
