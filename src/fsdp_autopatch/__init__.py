@@ -23,8 +23,8 @@ switchable by an environment variable, and a registry records what happened:
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
 :class:`PatchRecord`, :class:`StatusReport`; for authors of patches shipped by other distributions
-(entry-point group ``fsdp_autopatch.patches``): :class:`Patch`, :class:`Wrap`, :class:`Add`,
-:class:`Verdict`, :func:`needed`, :func:`not_needed`, :func:`unsupported`, :func:`fired`.
+(entry-point group ``fsdp_autopatch.patches``): :class:`Patch`, :class:`Wrap` (with :data:`KEEP_RESULT` /
+:data:`CALL_AGAIN`), :class:`Add`, :class:`Verdict`, :func:`needed`, :func:`not_needed`, :func:`unsupported`, :func:`fired`.
 Everything else is private.
 
 Interpreter start does not import this package: the ``.pth`` imports only the top-level module
@@ -37,6 +37,8 @@ loaded on first use): ``import fsdp_autopatch`` should cost a training script no
 
 __all__ = [
     "Add",
+    "CALL_AGAIN",
+    "KEEP_RESULT",
     "Patch",
     "PatchRecord",
     "PatchStatus",
@@ -62,6 +64,8 @@ _LAZY = {
     "Patch": "_spec",
     "Wrap": "_spec",
     "Add": "_spec",
+    "KEEP_RESULT": "_spec",
+    "CALL_AGAIN": "_spec",
     "Verdict": "_spec",
     "needed": "_spec",
     "not_needed": "_spec",
