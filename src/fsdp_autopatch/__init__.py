@@ -23,8 +23,9 @@ switchable by an environment variable, and a registry records what happened:
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
 :class:`PatchRecord`, :class:`StatusReport`; for authors of patches shipped by other distributions
-(entry-point group ``fsdp_autopatch.patches``): :class:`Patch`, :class:`Wrap` (with :data:`KEEP_RESULT` /
-:data:`CALL_AGAIN`), :class:`Add`, :class:`Verdict`, :func:`needed`, :func:`not_needed`, :func:`unsupported`, :func:`fired`.
+(entry-point group ``fsdp_autopatch.patches``): :class:`Patch`, :class:`Wrap` (with
+:data:`KEEP_RESULT` / :data:`CALL_AGAIN`), :class:`Add`, :class:`Verdict`, :func:`needed`,
+:func:`not_needed`, :func:`unsupported`, :func:`fired`.
 Everything else is private.
 
 Interpreter start does not import this package: the ``.pth`` imports only the top-level module

@@ -168,6 +168,17 @@ def nested_code(func: Any, name: str) -> Any:
     return None
 
 
+def has_parameters(func: Any, *names: str) -> bool:
+    """Whether ``func``'s signature has every parameter in ``names`` (by name, any kind)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(func).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin, not a function)
+        return False
+    return all(name in parameters for name in names)
+
+
 def first_parameters(func: Any, count: int) -> tuple[str, ...]:
     code = code_of(func)
     return tuple(code.co_varnames[:count]) if code is not None else ()

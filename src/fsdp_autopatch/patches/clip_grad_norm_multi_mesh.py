@@ -75,6 +75,8 @@ from .._spec import CALL_AGAIN, KEEP_RESULT, Patch, Verdict, Wrap, needed, not_n
 
 _CLIP = "torch.nn.utils.clip_grad"
 _UTILS = "torch.nn.utils"
+_TOTAL_READS = ("tensors", "norm_type", "error_if_nonfinite")  # what the wrappers read, by name
+_CLIP_READS = ("parameters", "total_norm")
 
 
 def _structural_check() -> Verdict:
@@ -84,8 +86,11 @@ def _structural_check() -> Verdict:
     # (``_patching.contract_problem``); any other parameter (PyTorch PR 194033's ``dtype``) is
     # forwarded to torch's function on every path, per-mesh groups included.
     total, scale = getattr(clip, "_get_total_norm", None), getattr(clip, "_clip_grads_with_norm_", None)
-    if total is None or scale is None:
-        return unsupported("clip_grad._get_total_norm / _clip_grads_with_norm_ not found")
+    if not _compat.has_parameters(total, *_TOTAL_READS) or not _compat.has_parameters(scale, *_CLIP_READS):
+        return unsupported(
+            f"clip_grad._get_total_norm({', '.join(_TOTAL_READS)}, ...) / "
+            f"_clip_grads_with_norm_({', '.join(_CLIP_READS)}, ...) not found"
+        )
     if not _compat.reads_names(getattr(clip, "clip_grad_norm_", None), "_get_total_norm", "_clip_grads_with_norm_"):
         return unsupported("clip_grad_norm_ does not call _get_total_norm and _clip_grads_with_norm_")
     names = _names_read(_compat.code_of(total))
@@ -196,10 +201,6 @@ def _fired(what: str, count: int, groups) -> None:
 
 def _public(name):
     return lambda: hasattr(sys.modules.get(_UTILS), name)
-
-
-_TOTAL_READS = ("tensors", "norm_type", "error_if_nonfinite")
-_CLIP_READS = ("parameters", "total_norm")
 
 
 def _replace(path: str, wrapper, reads, when=None, after_torch=KEEP_RESULT) -> Wrap:

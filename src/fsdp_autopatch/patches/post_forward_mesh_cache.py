@@ -77,8 +77,8 @@ def _structural_check() -> Verdict:
     # reshard_after_forward and mesh_info are checked by name from the target's ``reads``; any
     # other argument goes into the lookup key (a hit needs an identical call).
     function = getattr(_compat.fsdp_module("_fsdp_init"), _FUNCTION, None)
-    if function is None:
-        return unsupported(f"_fsdp_init.{_FUNCTION} not found")
+    if function is None or not _compat.has_parameters(function, *_READS):
+        return unsupported(f"_fsdp_init.{_FUNCTION}({', '.join(_READS)}, ...) not found")
     code = _compat.code_of(function)
     if any("cache" in name.lower() for name in code.co_names):
         return not_needed(f"{_FUNCTION} already reuses post-forward meshes (it reads a cache)", conclusive=True)

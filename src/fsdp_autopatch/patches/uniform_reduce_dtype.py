@@ -53,14 +53,17 @@ from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _FUNCTION = "foreach_reduce"
 _ASSERT_MESSAGE = "expects uniform gradient dtype"
+_READS = ("fsdp_params", "unsharded_grads")
 
 
 def _structural_check() -> Verdict:
     # The parameters the wrapper reads (fsdp_params, unsharded_grads) are checked by name from the
     # target's ``reads``; every other one is forwarded as it came.
     function = getattr(_compat.fsdp_module("_fsdp_collectives"), _FUNCTION, None)
-    if function is None:
-        return unsupported(f"_fsdp_collectives.{_FUNCTION} not found")
+    # recognised by its parameters before its body is judged: "no assertion" proves torch's fix
+    # only in the function that had it
+    if function is None or not _compat.has_parameters(function, *_READS):
+        return unsupported(f"_fsdp_collectives.{_FUNCTION}({', '.join(_READS)}, ...) not found")
     if not _compat.has_string_constant(function, _ASSERT_MESSAGE):
         return not_needed(f"{_FUNCTION} does not assert a uniform gradient dtype")
     return needed(f"{_FUNCTION} asserts a uniform gradient dtype")
@@ -120,7 +123,7 @@ PATCH = Patch(
             f"{_compat.FSDP2_PACKAGE}._fsdp_collectives:{_FUNCTION}",
             _uniform_dtype_reduce,
             everywhere=True,
-            reads=("fsdp_params", "unsharded_grads"),
+            reads=_READS,
         ),
     ),
     changes="mixed gradient dtypes are widened",
