@@ -85,8 +85,10 @@ def _run_external(external: _thirdparty.External, settings: Settings) -> None:
 
 def _run_fix(name: str, settings: Settings, load: Any, provider: str | None = None) -> None:
     status, _ = REGISTRY.get(name)
-    if status is PatchStatus.APPLIED:
-        return  # idempotent: a second activation leaves an applied patch alone
+    if status is PatchStatus.APPLIED or _isolation.has_failed(name):
+        # idempotent: a second activation leaves an applied patch alone, and one whose wrappers
+        # failed at call time (they pass through to torch) keeps saying so
+        return
     decision = settings.decision(name)
     if not decision.enabled:
         _record(name, PatchStatus.DISABLED, f"disabled by {decision.describe()}", decision)

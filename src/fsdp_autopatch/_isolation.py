@@ -6,12 +6,14 @@ handed to it as a :class:`Call`, which records whether torch ran and what torch 
 
 * our code raises *before* torch's original ran: the original runs with the caller's arguments,
   untouched, and its result (or its own exception) is what the caller gets;
-* our code raises *after* torch's original ran: ``Wrap.after_torch`` decides, per wrapper, between
+* our code raises *after* torch's original returned: ``Wrap.after_torch`` decides, per wrapper, between
   returning torch's result (:data:`~fsdp_autopatch._spec.KEEP_RESULT`: the follow-up is skipped) and
   calling torch again (:data:`~fsdp_autopatch._spec.CALL_AGAIN`, for pure functions);
 * either way the patch's record turns ``failed`` ("failed at call time: <exception> in <our
   function>"), one WARNING goes to the ``fsdp_autopatch`` logger (once per patch and process),
   and every later call of that patch's wrappers goes straight to torch;
+* our code raises while torch's exception passes through it (a ``finally``): torch's exception
+  reaches the caller, the failure is ours;
 * exceptions torch raises (inside the original, or in a collective we call through
   :func:`torch_call`) and the errors we raise on purpose (:func:`for_the_user`, e.g. the
   cross-rank check) propagate unchanged: torch's errors are never swallowed;
@@ -186,6 +188,8 @@ def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_to
             record_failure(patch_name, error)
             if _settings["strict"]:
                 raise
+            if call.error is not None:  # ours raised while torch's exception was on its way out
+                raise call.error from None
             if not call.ran or after_torch == CALL_AGAIN:
                 return call.fallback()
             return call.result
