@@ -1,7 +1,10 @@
 """The compatibility matrix's tables: markdown from the runs' results, and docs/compatibility.md.
 
 Split from scripts/matrix.py (which runs the releases); ``--report-only`` merges earlier runs'
-``matrix.json`` files through here. Stdlib only.
+``matrix.json`` files through here. A release that tests/expected.py has not measured (torch 2.16
+on its first run) is shown as measured and marked "first measurement": its cells are not compared
+with expectations (there are none), only what is wrong on any release is marked (``FAILED``, a
+failing test). Stdlib only.
 """
 
 from __future__ import annotations
@@ -38,13 +41,27 @@ SHORT = {
 }
 
 
+FIRST = "first measurement"
+
+
+def torch_cell(result: dict) -> str:
+    """The row's torch: the installed version, marked where tests/expected.py has no expectations."""
+    if not result["install"]["ok"]:
+        return f"{result['release']} (install failed)"  # nothing measured, first or not
+    text = result.get("registry", {}).get("torch") or result["release"]
+    return f"{text} ({FIRST})" if result.get("first_measurement") else text
+
+
 def status_cell(result: dict, patch: str) -> str:
     reg = result.get("registry", {})
     got = reg.get("patches", {}).get(patch, {}).get("status")
     if got is None:
         return "—"
     text = SHORT.get(got, got)
-    return text if got == reg.get("expected", {}).get(patch) else f"**{text}** (expected {reg['expected'][patch]})"
+    want = reg.get("expected", {}).get(patch)
+    if want in (None, EXPECTED.NOT_MEASURED):  # a first measurement: what was measured, no verdict
+        return f"**{text}**" if got in EXPECTED.ALWAYS_WRONG else text
+    return text if got == want else f"**{text}** (expected {want})"
 
 
 def one_line(text: str) -> str:
@@ -54,14 +71,18 @@ def one_line(text: str) -> str:
 
 
 def bug_cell(result: dict, bug: str) -> str:
-    """``off: reproduces (the symptom) ✓ · on: correct``; ✓ / ✗: the *off* outcome against tests/expected.py."""
+    """``off: reproduces (the symptom) ✓ · on: correct``; ✓ / ✗: the *off* outcome against what the
+    test expected (tests/expected.py; on a first measurement what the patch's own status claims,
+    and no mark where it claims nothing)."""
     if "tests" not in result:
-        return "not run (gloo lacks AVG)"
+        if not result["install"]["ok"]:
+            return "not run (install failed)"
+        return "not run (gloo lacks AVG)" if result.get("mode") != "full" else "not run"
     cell = result["tests"]["bugs"].get(bug)
     if not cell:
         return "not observed"
     off = "; ".join(cell.get("off", ["—"]))
-    if "expected_off" not in cell:
+    if cell.get("expected_off") in (None, EXPECTED.NOT_MEASURED):
         mark = ""
     else:
         mark = " ✓" if off.startswith(cell["expected_off"]) else f" ✗ (expected {cell['expected_off']})"
@@ -82,18 +103,19 @@ def markdown(results: list[dict], meta: dict) -> str:
         "|---|---|---|" + "---|" * len(EXPECTED.PATCHES) + "---|",
     ]
     for r in results:
-        reg = r.get("registry", {})
         tests = r.get("tests")
         t = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else "—"
         lines.append(
-            f"| {reg.get('torch', r['release'] + ' (install failed)')} | {row_python(r)} | {r['mode']} | "
+            f"| {torch_cell(r)} | {row_python(r)} | {r['mode']} | "
             + " | ".join(status_cell(r, p) for p in EXPECTED.PATCHES)
             + f" | {t} |"
         )
+    first = " (on a first measurement: as the patch's own status claims)" if any(
+        r.get("first_measurement") for r in results) else ""
     lines += [
         "",
         "**Bugs** (what each patch's 2-rank gloo scenario gives with that patch disabled (*off*; ✓: as "
-        "`tests/expected.py` says for the release) and with the plugin active (*on*; *correct*: the values "
+        f"`tests/expected.py` says for the release{first}) and with the plugin active (*on*; *correct*: the values "
         "equal a single-process reference, `grad is None` and weights unchanged where they must be)):",
         "",
     ]
@@ -102,10 +124,44 @@ def markdown(results: list[dict], meta: dict) -> str:
     for r in results:
         for text in r.get("tests", {}).get("bugs", {}).get("note", {}).get("on", []):
             lines += ["", f"Note on torch {r.get('registry', {}).get('torch', r['release'])}: {one_line(text)}"]
+    return "\n".join(lines + [""] + verdict_lines(results)) + "\n"
+
+
+def verdict_lines(results: list[dict]) -> list[str]:
+    """The table's last lines: first measurements, problems, or that every release matches."""
+    lines = []
+    for r in results:
+        if r.get("first_measurement") and r["ok"]:
+            unsupported = ", ".join(r.get("registry", {}).get("unsupported") or [])
+            lines.append(
+                f"torch {r['registry'].get('torch', r['release'])}: {FIRST}. tests/expected.py has no "
+                "expectations for this release, so the structural checks decided alone and nothing above "
+                "is compared with a guess; no patch failed and every test passed."
+                + (f" Unsupported (torch left untouched, not protected): {unsupported}." if unsupported else "")
+                + " Review the row, then add the release to tests/expected.py."
+            )
     problems = [r for r in results if not r["ok"]]
-    lines += ["", "All releases match their expectations." if not problems else
-              "Releases that do NOT match: " + ", ".join(r["release"] for r in problems)]
-    return "\n".join(lines) + "\n"
+    for r in problems:
+        reg = r.get("registry", {})
+        found = [r["error"]] if "error" in r else []
+        found += reg.get("problems", []) + ([reg["error"]] if "error" in reg else [])
+        found += [f"{n} is {m['got']}, expected {m['expected']}" for n, m in reg.get("mismatches", {}).items()]
+        tests = r.get("tests") or {}
+        found += [f"test failed: {f}" for f in tests.get("failures", [])[:5]]
+        label = " (not in tests/expected.py)" if r.get("first_measurement") else ""
+        lines.append(f"**Problem on torch {reg.get('torch', r['release'])}**{label}: " + one_line("; ".join(found)))
+    if not problems and not any(r.get("first_measurement") for r in results):
+        lines.append("All releases match their expectations.")
+    elif problems:
+        lines.append("Releases that do NOT pass: " + ", ".join(r["release"] for r in problems))
+    return lines
+
+
+def docs_refusal(results: list[dict]) -> str | None:
+    """Why these results must not go into docs/compatibility.md, or None: a row that did not
+    even install measured nothing."""
+    failed = [r["release"] for r in results if not r["install"]["ok"]]
+    return f"torch {', '.join(failed)} did not install (no row measured)" if failed else None
 
 
 BUG_COLUMNS_PER_TABLE = 4  # eight bugs side by side would not fit a page: tables of four
@@ -123,8 +179,7 @@ def bug_table(results: list[dict], patches) -> list[str]:
         "|---|" + "---|" * len(patches),
     ]
     for r in results:
-        torch_version = r.get("registry", {}).get("torch", r["release"])
-        lines.append(f"| {torch_version} | " + " | ".join(bug_cell(r, b) for b in bugs) + " |")
+        lines.append(f"| {torch_cell(r)} | " + " | ".join(bug_cell(r, b) for b in bugs) + " |")
     return lines + [""]
 
 
@@ -149,8 +204,13 @@ def python_markdown(results: list[dict]) -> str:
     ]
     for r in sorted(results, key=lambda r: (_version_key(row_python(r)), EXPECTED.release_of(r["release"]))):
         reg, tests = r.get("registry", {}), r.get("tests")
-        registry = "install failed" if not r["install"]["ok"] else ("matches" if reg.get("ok") else "**MISMATCH**")
-        no_tests = "— (structural checks only)"
+        if not r["install"]["ok"]:
+            registry = "install failed"
+        elif r.get("first_measurement"):
+            registry = FIRST if reg.get("ok") else f"**{FIRST}: problem**"
+        else:
+            registry = "matches" if reg.get("ok") else "**MISMATCH**"
+        no_tests = "— (structural checks only)" if r["install"]["ok"] and r.get("mode") != "full" else "—"
         counts = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else no_tests
         test_s = reg.get("seconds", 0) + (tests["seconds"] if tests else 0)
         lines.append(
@@ -191,9 +251,12 @@ def report_only(files: list[Path], out: Path, docs: bool, python_docs: bool = Fa
         ) + ".\n"
     (out / "matrix.md").write_text(table)
     (out / "python.md").write_text(python_markdown(results))
-    if docs:
+    refusal = docs_refusal(results) if docs or python_docs else None
+    if refusal:
+        log(f"docs/compatibility.md left as it is: {refusal}")
+    if docs and not refusal:
         update_docs(table)
-    if python_docs:
+    if python_docs and not refusal:
         update_docs(python_markdown(results), PY_BEGIN, PY_END)
     log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}, {out / 'python.md'}")
     return 0 if all(r["ok"] for r in results) else 1

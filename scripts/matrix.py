@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The torch compatibility matrix: every release from 2.6 to 2.15, each in a throwaway venv.
+"""The torch compatibility matrix: every measured release (2.6 - 2.15) or any other, each in a throwaway venv.
 
 For each release (latest patch, ``torch==2.N.*``) this creates a venv, installs that torch and
 the wheel built from this checkout (not an editable install), and runs:
@@ -14,13 +14,21 @@ the wheel built from this checkout (not an editable install), and runs:
 torch 2.6 and 2.7 cannot run FSDP2 on gloo (no ``ReduceOp.AVG``): for them only step 1 runs,
 so the patches' structural checks are evaluated against the real torch modules.
 
+A release that ``tests/expected.py`` has not measured (``--releases 2.16`` the day torch 2.16 is on
+PyPI, or any later ``2.N``) runs the same steps as a *first measurement*: there are no
+expectations to compare with (the plugin's structural checks decide alone on such a torch), so the
+report shows what was measured, marked as the first measurement, and the run fails only on what is
+wrong on every release: a patch ``failed`` or ``pending``, the ``.pth`` not starting the plugin,
+a broken FSDP2 import, a failed install, a failing test (scripts/_matrix_verdict.py).
+
 The venv is deleted after each release (a CUDA build of torch is several GB); the next
 release's venv is installed while the current one is tested, so at most two exist at once.
 
 Usage (from the repository root; stdlib only, any Python >= 3.9 with venv and pip)::
 
-    python3 scripts/matrix.py                        # all releases, results in .artifacts/matrix
+    python3 scripts/matrix.py                        # all measured releases, results in .artifacts/matrix
     python3 scripts/matrix.py --releases 2.12 2.15   # a subset
+    python3 scripts/matrix.py --releases 2.16        # a release not measured yet: a first measurement
     python3 scripts/matrix.py --update-docs          # also rewrite the table in docs/compatibility.md
     python3 scripts/matrix.py --python 3.12 --releases 2.13   # venvs from another interpreter
 
@@ -28,8 +36,9 @@ Usage (from the repository root; stdlib only, any Python >= 3.9 with venv and pi
 interpreter's version is recorded in each row. ``--report-only RUNS... --python-docs`` writes the
 "Python versions" table (one row per interpreter and torch) into docs/compatibility.md.
 
-Exit status 0 when every release matches its expectations. Pip here caps torch at 2.14.1
-(``/etc/xdg/pip/constraints.txt``); the installs set ``PIP_CONSTRAINT=/dev/null`` to lift it.
+Exit status 0 when every release matches its expectations (a first measurement: has no problem),
+1 otherwise, a release that does not install included (pip's error is printed). Pip here caps torch
+at 2.14.1 (``/etc/xdg/pip/constraints.txt``); the installs set ``PIP_CONSTRAINT=/dev/null`` to lift it.
 """
 
 from __future__ import annotations
@@ -48,11 +57,12 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from _matrix_report import EXPECTED, log, markdown, python_markdown, report_only, update_docs
+import _matrix_verdict as verdict
+from _matrix_report import EXPECTED, docs_refusal, log, markdown, python_markdown, report_only, update_docs
 from _pythons import python_version, resolve_python
 
 ROOT = Path(__file__).resolve().parent.parent
-RELEASES = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+RELEASES = tuple(verdict.default_releases())  # the default: every release tests/expected.py has measured
 # expecttest: torch.testing._internal needs it
 TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy", "expecttest")
 INSTALL_TIMEOUT = 45 * 60
@@ -131,11 +141,12 @@ def install(release: str, venv: Path, wheel: Path, logs: Path, python: str) -> d
     """Create ``venv`` with torch ``release`` (latest patch), the wheel and the test tools."""
     started = time.monotonic()
     log_file = logs / f"{release}-install.log"
+    log_file.unlink(missing_ok=True)  # this run's words only: a failed install is reported from it
     shutil.rmtree(venv, ignore_errors=True)
     code = run([python, "-m", "venv", venv], log_file=log_file, timeout=300)
     if code == 0:
         pip = [venv / "bin" / "python", "-m", "pip", "install", "-q"]
-        packages = [f"torch=={release}.*", wheel, *TEST_PACKAGES]
+        packages = [verdict.requirement(release), wheel, *TEST_PACKAGES]
         code = run([*pip, *packages], log_file=log_file, timeout=INSTALL_TIMEOUT, env=pip_env())
     venv_mb = tree_size_mb(venv) if venv.exists() else 0
     return {"ok": code == 0, "seconds": round(time.monotonic() - started), "venv_mb": venv_mb}
@@ -145,31 +156,29 @@ def check_registry(release: str, venv: Path, logs: Path, scratch: Path) -> dict:
     log_file = logs / f"{release}-registry.log"
     out_file = scratch / f"{release}-registry.json"
     started = time.monotonic()
-    with open(out_file, "w") as out:
-        proc = subprocess.run(
-            [venv / "bin" / "python", "-c", REGISTRY_PROBE], cwd=scratch, env=test_env(),
-            stdout=out, stderr=subprocess.PIPE, text=True, timeout=REGISTRY_TIMEOUT,
-        )
-    log_file.write_text(proc.stderr)
-    result = {"seconds": round(time.monotonic() - started), "ok": False}
-    if proc.returncode != 0:
-        result["error"] = f"probe exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"
+    result = {"seconds": 0, "ok": False, "first_measurement": verdict.is_first_measurement(release), "problems": []}
+    try:
+        with open(out_file, "w") as out:
+            proc = subprocess.run(
+                [venv / "bin" / "python", "-c", REGISTRY_PROBE], cwd=scratch, env=test_env(),
+                stdout=out, stderr=subprocess.PIPE, text=True, timeout=REGISTRY_TIMEOUT,
+            )
+    except subprocess.TimeoutExpired:
+        result.update(seconds=round(time.monotonic() - started), error=f"probe timed out after {REGISTRY_TIMEOUT} s")
         return result
-    probe = json.loads(out_file.read_text())
-    want = EXPECTED.expected_status(EXPECTED.release_of(probe["torch"]))
-    patches = {p["name"]: p for p in probe["report"]["patches"]}
-    mismatches = {
-        name: {"expected": status, "got": patches.get(name, {}).get("status")}
-        for name, status in want.items()
-        if patches.get(name, {}).get("status") != status
-    }
-    result.update(
-        ok=not mismatches and probe["report"]["bootstrap"] == "pth",
-        torch=probe["torch"], python=probe["python"], cuda=probe["cuda"], gloo_avg=probe["gloo_avg"],
-        bootstrap=probe["report"]["bootstrap"],
-        patches={n: {k: p.get(k) for k in ("status", "reason", "decided_by")} for n, p in patches.items()},
-        expected=want, mismatches=mismatches,
-    )
+    log_file.write_text(proc.stderr)
+    result["seconds"] = round(time.monotonic() - started)
+    if proc.returncode != 0:
+        # an import broken (torch's, FSDP2's or ours): wrong on any release
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        result["error"] = f"probe exited {proc.returncode}: {last}"
+        return result
+    try:
+        probe = verdict.parse_probe(out_file.read_text())
+    except ValueError as exc:
+        result["error"] = f"probe output unreadable: {exc}"
+        return result
+    result.update(verdict.judge_registry(probe))
     return result
 
 
@@ -227,20 +236,22 @@ def bug_cells(observations: list[dict]) -> dict:
 
 def test_release(release: str, venv: Path, installed: dict, logs: Path, scratch: Path, runnable: bool) -> dict:
     result = {"release": release, "mode": "full" if runnable else "structural checks only", "install": installed}
+    result["first_measurement"] = verdict.is_first_measurement(release)
     if not installed["ok"]:
+        install_log = logs / f"{release}-install.log"
+        words = verdict.install_error(install_log.read_text()) if install_log.exists() else "no install log"
         result["ok"] = False
-        result["error"] = f"install failed, see {logs / f'{release}-install.log'}"
+        result["error"] = f"{verdict.requirement(release)} did not install: {words} (log: {install_log})"
         return result
-    log(f"{release}: registry check")
+    log(f"{release}: registry check" + (" (first measurement: not in tests/expected.py)"
+                                         if result["first_measurement"] else ""))
     result["registry"] = check_registry(release, venv, logs, scratch)
-    ok = result["registry"]["ok"]
     if runnable:
         log(f"{release}: unit + 2-rank distributed tests")
         tests = run_tests(release, venv, logs, scratch)
         tests["bugs"] = bug_cells(tests.pop("observations"))
         result["tests"] = tests
-        ok = ok and tests["exit"] == 0 and tests["failed"] == 0
-    result["ok"] = ok
+    result["ok"] = verdict.release_ok(result)
     return result
 
 
@@ -252,10 +263,12 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--releases", nargs="+", default=list(RELEASES), metavar="2.N", help="torch minor releases (default: all)"
+        "--releases", nargs="+", type=verdict.parse_release, default=list(RELEASES), metavar="2.N",
+        help="torch minor releases, measured or not (default: every measured one, "
+        f"{RELEASES[0]} - {RELEASES[-1]}; a later 2.N is a first measurement)",
     )
     parser.add_argument(
         "--out", type=Path, default=ROOT / ".artifacts" / "matrix", help="results and logs (default: .artifacts/matrix)"
@@ -279,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--python-docs", action="store_true", help="with --report-only: rewrite the Python versions table"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.report_only:
         return report_only(args.report_only, args.out, args.update_docs, args.python_docs)
     try:
@@ -298,13 +315,19 @@ def main(argv: list[str] | None = None) -> int:
     scratch.mkdir(exist_ok=True)
     commit = git_commit()  # what the wheel is built from: later commits during the run do not count
     wheel = build_wheel(workdir / "wheel", logs / "wheel.log")
-    releases = list(args.releases)
+    # once each: the next release's venv is installed while the previous one is tested
+    releases = list(dict.fromkeys(args.releases))
     results: list[dict] = []
 
     def prepare(release: str):
-        log(f"{release}: installing torch=={release}.* into a fresh venv")
+        log(f"{release}: installing {verdict.requirement(release)} into a fresh venv")
         venv = workdir / f"venv-{release}"
-        return venv, install(release, venv, wheel, logs, python)
+        try:
+            return venv, install(release, venv, wheel, logs, python)
+        except OSError as exc:  # no disk space, a vanished interpreter: this release did not install
+            with open(logs / f"{release}-install.log", "a") as out:
+                out.write(f"ERROR: {type(exc).__name__}: {exc}\n")
+            return venv, {"ok": False, "seconds": 0, "venv_mb": 0}
 
     # install release i+1 while release i is tested: pip is network/disk bound, the tests CPU bound
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -316,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             runnable = EXPECTED.release_of(release) >= EXPECTED.OLDEST_RUNNABLE
             result = {"python": version, **test_release(release, venv, installed, logs, scratch, runnable)}
             results.append(result)
-            log(f"{release}: {'OK' if result['ok'] else 'MISMATCH'} (venv {installed['venv_mb']} MB)")
+            log(f"{verdict.summary(result)} (venv {installed['venv_mb']} MB)")
             if not args.keep_venvs:
                 shutil.rmtree(venv, ignore_errors=True)
             (out / "matrix.json").write_text(json.dumps({"results": results}, indent=2))
@@ -339,11 +362,19 @@ def main(argv: list[str] | None = None) -> int:
     (out / "matrix.md").write_text(table)
     (out / "python.md").write_text(python_markdown(results))
     if args.update_docs:
-        update_docs(table)
+        refusal = docs_refusal(results)
+        if refusal:
+            log(f"docs/compatibility.md left as it is: {refusal}")
+        else:
+            update_docs(table)
     log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}; {meta['wall_minutes']} min")
+    first = [r["release"] for r in results if r.get("first_measurement") and r["ok"]]
+    if first:
+        log("first measurements (no expectations in tests/expected.py; review the rows, then add them there): "
+            + ", ".join(first))
     bad = [r["release"] for r in results if not r["ok"]]
     if bad:
-        log("releases that do not match their expectations: " + ", ".join(bad))
+        log("releases with a problem (see above and matrix.md): " + ", ".join(bad))
     return 1 if bad else 0
 
 

@@ -13,6 +13,14 @@ torch     bug (a)      set_reduce_...    bug (c)      gloo FSDP2 on CPU
 2.13-2.14 crashes      torch's own       yes          yes
 2.15      gone         torch's own       gone         yes
 ========  ===========  ================  ===========  =================================
+
+A release outside 2.6 - 2.15 (2.16 the day it is on PyPI, a nightly) has no expectations here:
+``expected_status`` and ``unpatched_outcome`` answer :data:`NOT_MEASURED` for each patch and bug
+instead of inventing one, because there the plugin's structural checks decide alone
+(``_compat.MEASURED_RELEASES``). :func:`claimed_by` turns the plugin's own verdicts on such a torch
+into what the tests then check (what the structural check says is what must happen), and
+``scripts/matrix.py`` reports the release as a first measurement. Once a release is measured and
+reviewed, add it to :data:`MEASURED` and to the functions below.
 """
 
 from __future__ import annotations
@@ -41,6 +49,17 @@ BUG_OF = {
 
 OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
 
+# The releases this file knows, oldest first: every one measured by scripts/matrix.py
+# (docs/compatibility.md). The same range as ``_compat.MEASURED_RELEASES`` (>=2.6,<2.16).
+MEASURED = tuple((2, minor) for minor in range(6, 16))
+
+# The expectation for a patch or a bug on a release outside MEASURED: none, the plugin's
+# structural check decides there and the matrix reports what it measured as a first measurement.
+NOT_MEASURED = "not measured: the structural check decides"
+# Registry statuses that are wrong on every release, measured or not, once FSDP2 is imported with
+# the defaults: one of our modules raised ("failed"), or the import hook never ran ("pending").
+ALWAYS_WRONG = ("failed", "pending")
+
 # What a test run without the plugin shows, per bug. The matrix records the measured outcome
 # next to this expectation.
 REPRODUCES = "reproduces"
@@ -55,8 +74,20 @@ def release_of(version: str) -> tuple[int, int]:
     return int(major), int(digits)
 
 
+def is_measured(release: tuple[int, int]) -> bool:
+    """Whether this file holds measured expectations for ``release`` (2.6 - 2.15)."""
+    return tuple(release) in MEASURED
+
+
+def release_text(release: tuple[int, int]) -> str:
+    return ".".join(map(str, release))
+
+
 def expected_status(release: tuple[int, int]) -> dict[str, str]:
-    """The registry status of each patch after ``import torch.distributed.fsdp``, defaults on."""
+    """The registry status of each patch after ``import torch.distributed.fsdp``, defaults on;
+    :data:`NOT_MEASURED` for each patch on a release outside :data:`MEASURED`."""
+    if not is_measured(release):
+        return dict.fromkeys(PATCHES, NOT_MEASURED)
     return {
         # the crash path exists up to 2.14 (latent on 2.6, where the guard is harmless)
         "accumulated_grad_guard": "applied" if release < (2, 15) else "not_needed",
@@ -86,7 +117,11 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
     2.13 torch's own method gives the right gradients.
     (d): any unused-param fill, torch's own (>= 2.13) or the plugin's backport (< 2.13), turns
     a never-used parameter's ``None`` into a zero gradient that AdamW then applies.
+
+    :data:`NOT_MEASURED` for each bug on a release outside :data:`MEASURED` (see :func:`claimed_by`).
     """
+    if not is_measured(release):
+        return dict.fromkeys(BUG_OF.values(), NOT_MEASURED)
     return {
         "a": REPRODUCES if (2, 7) <= release < (2, 15) else FIXED,
         "b": REPRODUCES if release < (2, 13) else FIXED,
@@ -106,6 +141,47 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
     }
 
 
+# What a patch's status claims about its bug's scenario with the patch disabled. On every runnable
+# measured release (2.8 - 2.15) ``unpatched_outcome`` equals this mapping of ``expected_status``
+# (tests/unit/test_matrix_unmeasured.py checks it): "applied" means the structural check found the
+# buggy code, "not_needed" that torch's own fix is there. "unsupported" claims nothing.
+_CLAIMS = {"applied": REPRODUCES, "not_needed": FIXED}
+
+
+def claimed_by(statuses: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """On a release outside :data:`MEASURED`, what the tests check: the plugin's own verdicts.
+
+    ``statuses`` are the registry's statuses on this torch with the defaults (read in the test
+    process, where the structural checks decided). Returned: the status every rank must report
+    (``NOT_MEASURED`` where ``statuses`` has none, or one in :data:`ALWAYS_WRONG`: then any status
+    but those is accepted), and per bug the outcome that status claims for the patch disabled
+    (``NOT_MEASURED`` where it claims nothing: the outcome is recorded, not checked).
+    """
+    status = {
+        name: statuses[name] if statuses.get(name) not in (None, *ALWAYS_WRONG) else NOT_MEASURED
+        for name in PATCHES
+    }
+    outcome = {BUG_OF[name]: _CLAIMS.get(status[name], NOT_MEASURED) for name in PATCHES}
+    return status, outcome
+
+
+def status_agrees(expected: str, got: str | None) -> bool:
+    """A registry status against its expectation; on an unmeasured release (``NOT_MEASURED``)
+    every status agrees except a missing one and those in :data:`ALWAYS_WRONG`."""
+    if expected == NOT_MEASURED:
+        return got is not None and got not in ALWAYS_WRONG
+    return got == expected
+
+
+def outcome_agrees(expected: str, got: str) -> bool:
+    """An observed scenario outcome (``"reproduces: ..."``) against its expectation; anything
+    agrees with ``NOT_MEASURED`` (a first measurement records, it does not judge)."""
+    return expected == NOT_MEASURED or got.startswith(expected)
+
+
+# The feature predicates below describe APIs torch added; for a release after the newest measured
+# one they answer as for that one: a later torch that removed the API fails the tests that call
+# it, which is a finding, never a wrong pass.
 def has_native_unused_param_api(release: tuple[int, int]) -> bool:
     return release >= (2, 13)
 
