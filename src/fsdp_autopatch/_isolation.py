@@ -173,6 +173,7 @@ class Call:
 def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_torch: str) -> Callable[..., Any]:
     """``wrapper`` isolated at call time; wrapt's signature ``(wrapped, instance, args, kwargs)``."""
     compiling = _is_compiling_function()
+    module = getattr(wrapper, "__module__", None)  # a third-party patch's failure names its function
 
     def guarded(wrapped, instance, args, kwargs):
         if patch_name in _failed:
@@ -185,7 +186,7 @@ def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_to
         except Exception as error:
             if error is call.error or getattr(error, _TORCH_ERROR, None) is not None:
                 raise  # torch's own error, or one we raise for the user on purpose
-            record_failure(patch_name, error)
+            record_failure(patch_name, error, module)
             if _settings["strict"]:
                 raise
             if call.error is not None:  # ours raised while torch's exception was on its way out
@@ -208,7 +209,7 @@ def isolated(patch_name: str, function: Callable[..., Any], *args: Any, **kwargs
     except Exception as error:
         if getattr(error, _TORCH_ERROR, None) is not None:
             raise
-        record_failure(patch_name, error)
+        record_failure(patch_name, error, getattr(function, "__module__", None))
         if _settings["strict"]:
             raise
         return None
@@ -236,10 +237,11 @@ def _tag(error: BaseException, origin: str) -> None:
         pass
 
 
-def record_failure(patch_name: str, error: BaseException) -> None:
-    """The patch failed at call time: registry ``failed``, one warning, later calls to torch."""
+def record_failure(patch_name: str, error: BaseException, module: str | None = None) -> None:
+    """The patch failed at call time: registry ``failed``, one warning, later calls to torch.
+    ``module``: the module that declares the wrapper (a third-party patch's), searched besides ours."""
     error_text = f"{type(error).__name__}: {error}"
-    reason = f"{CALL_TIME_FAILURE}: {error_text} in {where(error)}; torch's own code runs from then on"
+    reason = f"{CALL_TIME_FAILURE}: {error_text} in {where(error, module)}; torch's own code runs from then on"
     with _lock:
         if patch_name in _failed:
             return
@@ -248,14 +250,16 @@ def record_failure(patch_name: str, error: BaseException) -> None:
     logger.warning("%s %s", patch_name, reason, exc_info=error)
 
 
-def where(error: BaseException) -> str:
-    """The innermost function of this package in ``error``'s traceback: ``module.function``."""
-    found = _PACKAGE
+def where(error: BaseException, also: str | None = None) -> str:
+    """The innermost function of this package (or of module ``also``, a third-party patch's) in
+    ``error``'s traceback: ``module.function``."""
+    found = also or _PACKAGE
     tb = error.__traceback__
     while tb is not None:
         frame = tb.tb_frame
         module = frame.f_globals.get("__name__", "")
-        if (module == _PACKAGE or module.startswith(_PACKAGE + ".")) and module != __name__:
+        ours = (module == _PACKAGE or module.startswith(_PACKAGE + ".")) and module != __name__
+        if ours or (also is not None and module == also):
             code = frame.f_code
             found = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
         tb = tb.tb_next

@@ -70,7 +70,7 @@ import sys
 
 import torch
 
-from .. import _compat, _events
+from .. import _compat, _events, _isolation
 from .._spec import CALL_AGAIN, KEEP_RESULT, Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _CLIP = "torch.nn.utils.clip_grad"
@@ -133,7 +133,8 @@ def _mesh_groups(tensors):
 
 
 def _plain(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    # full_tensor() is a collective over the DTensor's mesh: what it raises is torch's
+    return _isolation.torch_call(tensor.full_tensor) if hasattr(tensor, "full_tensor") else tensor
 
 
 def _as_list(wrapped, name):
