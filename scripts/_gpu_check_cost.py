@@ -1,0 +1,279 @@
+"""Rank side of ``scripts/gpu_check.py``: the step cost of the plugin, off against on, side by side
+in one process, alternating blocks of steps (the order flips every round).
+
+The model is ``bench/step_overhead.py``'s MoE stack at a size the caller picks (tens of
+milliseconds per step on a GPU): blocks of LayerNorm, experts and an output Linear, each block an
+FSDP unit, bf16 parameters with fp32 reduction, AdamW. Two cases:
+
+* ``fill_off``: every expert used, 2 micro-batches per step (gradient accumulation);
+* ``fill_on``: ``set_reduce_scatter_unused_params(True)``, ranks use different experts and the last
+  is used by no rank, 1 micro-batch per step (with accumulation the plugin-off run would trip the
+  uniform-dtype assertion).
+
+Variants: ``off`` is ``_activate.revert_all()`` then ``activate()`` with ``FSDP_AUTOPATCH_DISABLED``
+naming every fix (on torch < 2.13 the ``fill_on`` case keeps ``unused_param_reduction``: without its
+backported method there is no fill to time); ``on`` is the plugin as installed. With one rank the
+restore's usage flags have no process group to be reduced over, so its all-reduce and host sync never
+run; ``on_forced_sync`` then makes its reduction domain the 1-rank shard group, which runs exactly the
+code 2 or more ranks run (tensor of flags, all-reduce, ``packed.tolist()``), to show that sync's cost.
+
+Per variant: step time (CUDA events around each step on a GPU: the GPU's timeline, idle gaps
+included; ``perf_counter`` on CPU), host time per step, the time spent in the restore and, within
+it, blocked in ``Tensor.tolist`` (calls counted), and peak memory (``torch.cuda.max_memory_allocated``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _gpu_check_net import Ctx
+
+
+def _model(spec: dict[str, Any], ctx: Ctx, fill: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dim, experts = spec["dim"], spec["experts"]
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+            self.out = nn.Linear(dim, dim)
+
+        def forward(self, x, used):
+            h = self.norm(x)
+            return x + self.out(torch.relu(sum(self.experts[e](h) for e in used)))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(spec["blocks"]))
+            self.head = nn.Linear(dim, dim)
+
+        def forward(self, x, used):
+            for block in self.blocks:
+                x = block(x, used)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        model = Model()
+    mesh = ctx.mesh()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if fill:
+        model.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def _route(ctx: Ctx, case: str, experts: int) -> tuple[int, ...]:
+    if case == "fill_off":
+        return tuple(range(experts))
+    if ctx.world_size == 1:
+        return (0, 1)
+    return {0: (0, 1), 1: (0, 2)}.get(ctx.rank, (0,))  # the last expert: used by no rank
+
+
+class _Probe:
+    """Times the restore (``restore_unused``) and the ``Tensor.tolist`` calls made inside it; with
+    ``watch_syncs`` (an untimed step, CUDA), counts the synchronizing CUDA operations in the restore
+    as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
+
+    def __init__(self, restore_module, cuda: bool) -> None:
+        self.module, self.original = restore_module, restore_module.restore_unused
+        self.cuda, self.watch_syncs, self.syncs = cuda, False, []
+        self.inside = False
+        self.restore_s = self.tolist_s = 0.0
+        self.restores = self.tolists = 0
+        self.had_tolist = "tolist" in vars(torch.Tensor)
+        self.tensor_tolist = torch.Tensor.tolist
+
+    def reset(self) -> None:
+        self.restore_s = self.tolist_s = 0.0
+        self.restores = self.tolists = 0
+
+    def install(self) -> None:
+        probe = self
+
+        def restore_unused(groups):
+            if probe.watch_syncs and probe.cuda:
+                return probe.count_syncs(groups)
+            start = time.perf_counter()
+            probe.inside = True
+            try:
+                return probe.original(groups)
+            finally:
+                probe.inside = False
+                probe.restore_s += time.perf_counter() - start
+                probe.restores += 1
+
+        def tolist(tensor):
+            if not probe.inside:
+                return probe.tensor_tolist(tensor)
+            start = time.perf_counter()
+            try:
+                return probe.tensor_tolist(tensor)
+            finally:
+                probe.tolist_s += time.perf_counter() - start
+                probe.tolists += 1
+
+        self.module.restore_unused = restore_unused
+        torch.Tensor.tolist = tolist
+
+    def count_syncs(self, groups):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return self.original(groups)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                self.syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+
+    def remove(self) -> None:
+        self.module.restore_unused = self.original
+        if self.had_tolist:
+            torch.Tensor.tolist = self.tensor_tolist
+        else:
+            del torch.Tensor.tolist
+
+
+def _set_variant(variant: str, case: str, native_fill: bool) -> None:
+    from fsdp_autopatch import _activate, _compat
+    from fsdp_autopatch.patches import FIXES
+
+    _activate.revert_all()
+    if variant == "off":
+        keep = () if native_fill or case == "fill_off" else ("unused_param_reduction",)
+        os.environ["FSDP_AUTOPATCH_DISABLED"] = ",".join(n for n in FIXES if n not in keep)
+    else:
+        os.environ.pop("FSDP_AUTOPATCH_DISABLED", None)
+    _activate.activate()
+    original = getattr(_compat.reduction_domain, "_gpu_check_original", _compat.reduction_domain)
+    if variant == "on_forced_sync":
+        def forced(group):  # one rank: reduce the flags over the 1-rank shard group all the same
+            return original(group) or (group.mesh_info.shard_process_group,)
+
+        forced._gpu_check_original = original
+        _compat.reduction_domain = forced
+    else:
+        _compat.reduction_domain = original
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    return statistics.quantiles(values, n=4) if len(values) > 1 else list(values) * 3
+
+
+def _time_case(ctx: Ctx, spec: dict[str, Any], case: str, native_fill: bool, at) -> dict[str, Any]:
+    from fsdp_autopatch.patches import restore_unused_param_grads as restore
+
+    cuda = ctx.device.type == "cuda"
+    model = _model(spec, ctx, fill=case == "fill_on")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    micro = 2 if case == "fill_off" else 1
+    gen = torch.Generator().manual_seed(ctx.rank)
+    data = [torch.randn(spec["tokens"], spec["dim"], generator=gen).to(ctx.device) for _ in range(micro)]
+    used = _route(ctx, case, spec["experts"])
+
+    def step() -> None:
+        for index, batch in enumerate(data):
+            model.set_requires_gradient_sync(index == micro - 1)
+            model(batch, used).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    variants = ["off", "on"] + (["on_forced_sync"] if case == "fill_on" and ctx.world_size == 1 else [])
+    out = {v: {"step_ms": [], "host_ms": [], "block_ms": [], "restore_us": [], "tolist_us": [],
+               "tolists": [], "peak_mib": 0.0} for v in variants}
+    probe = _Probe(restore, cuda)
+    for round_index in range(spec["rounds"]):
+        for variant in variants if round_index % 2 == 0 else variants[::-1]:
+            at(f"cost {case} round {round_index} {variant}")
+            _set_variant(variant, case, native_fill)
+            probe.install()
+            probe.watch_syncs, probe.syncs = True, []
+            try:
+                step()  # after a switch: not timed; the restore's host syncs counted here
+            finally:
+                probe.watch_syncs = False
+                probe.remove()
+            out[variant]["syncs"] = out[variant].get("syncs", []) + probe.syncs
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            if ctx.world_size > 1:
+                dist.barrier()
+            probe.reset()
+            probe.install()
+            try:
+                events, host = [], []
+                for _ in range(spec["steps"]):
+                    begin = time.perf_counter()
+                    if cuda:
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                    step()
+                    if cuda:
+                        end.record()
+                        events.append((start, end))
+                    host.append((time.perf_counter() - begin) * 1e3)
+                if cuda:
+                    torch.cuda.synchronize()
+            finally:
+                probe.remove()
+            times = [s.elapsed_time(e) for s, e in events] if cuda else host
+            row, steps = out[variant], spec["steps"]
+            row["step_ms"] += times
+            row["host_ms"] += host
+            row["block_ms"].append(statistics.median(times))
+            row["restore_us"].append(probe.restore_s * 1e6 / steps)
+            row["tolist_us"].append(probe.tolist_s * 1e6 / steps)
+            row["tolists"].append(probe.tolists / steps)
+            if cuda:
+                row["peak_mib"] = max(row["peak_mib"], torch.cuda.max_memory_allocated() / 2**20)
+    _set_variant("on", case, native_fill)
+    summary: dict[str, Any] = {"micro_batches": micro, "experts_used": list(used), "variants": {}}
+    for variant, row in out.items():
+        summary["variants"][variant] = {
+            "step_ms": statistics.median(row["step_ms"]),
+            "step_ms_quartiles": _quartiles(row["step_ms"]),
+            "host_ms": statistics.median(row["host_ms"]),
+            "restore_us_per_step": statistics.median(row["restore_us"]),
+            "tolist_us_per_step": statistics.median(row["tolist_us"]),
+            "tolist_calls_per_step": statistics.median(row["tolists"]),
+            "peak_mib": round(row["peak_mib"], 1) if cuda else None,
+            "host_syncs_per_restore": (max(row["syncs"]) if row.get("syncs") else 0) if cuda else None,
+            "steps_timed": len(row["step_ms"]),
+        }
+    off = out["off"]["block_ms"]
+    for variant in variants[1:]:
+        pairs = [a / b for a, b in zip(out[variant]["block_ms"], off)]
+        summary["variants"][variant]["ratio_to_off"] = (
+            summary["variants"][variant]["step_ms"] / summary["variants"]["off"]["step_ms"])
+        summary["variants"][variant]["paired_block_ratio"] = statistics.median(pairs)
+    return summary
+
+
+def run_cost(ctx: Ctx, spec: dict[str, Any], at) -> dict[str, Any]:
+    from fsdp_autopatch.patches import unused_param_reduction
+
+    native_fill = unused_param_reduction.has_native_api()
+    params = spec["blocks"] * (spec["experts"] + 1) * (spec["dim"] + 1) * spec["dim"]
+    result: dict[str, Any] = {"spec": spec, "parameters_approx": params, "timer": "cuda events"
+                              if ctx.device.type == "cuda" else "time.perf_counter", "cases": {}}
+    for case in spec["cases"]:
+        result["cases"][case] = _time_case(ctx, spec, case, native_fill, at)
+        if ctx.device.type == "cuda":  # the case's model and optimizer are gone: give their memory back
+            torch.cuda.empty_cache()
+    return result

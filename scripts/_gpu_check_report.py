@@ -1,0 +1,182 @@
+"""``scripts/gpu_check.py``'s verdicts, JSON report and printed table, from what the launches'
+ranks wrote. Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from _gpu_check_plan import PATCHES, TRAINING, agrees, strikes
+
+
+def _first_line(text: str, limit: int = 110) -> str:
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    line = re.sub(r"^\[(enforce fail at )?/[^\]]*\]\s*", "", line)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _native_error(tail: str) -> str:
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.startswith("what():"):
+            return line[len("what():"):].strip()
+    return lines[-1] if lines else "no output"
+
+
+def outcome(launch: dict[str, Any] | None, case: str) -> dict[str, Any]:
+    """One case of one launch: right or not, and what happened (rank 0's value, else the first error)."""
+    if launch is None:
+        return {"ran": False, "right": False, "text": "not run"}
+    if launch.get("skipped"):
+        return {"ran": False, "right": False, "text": f"not run: {launch['skipped']}"}
+    entries = [(rank, (r or {}).get("cases", {}).get(case)) for rank, r in enumerate(launch["ranks"])]
+    errors = [(rank, e["error"]) for rank, e in entries if e and e.get("error")]
+    rank0 = entries[0][1] if entries else None
+    if errors:
+        rank, error = errors[0]
+        text = f"{error['type']}: {_first_line(error['message'])} (rank {rank})"
+        return {"ran": True, "right": False, "text": text, "error": error["type"],
+                "seconds": (rank0 or {}).get("seconds")}
+    if rank0 is not None and all(e is not None for _, e in entries):
+        return {"ran": True, "right": bool(rank0["right"]), "text": rank0.get("value", ""),
+                "seconds": rank0.get("seconds"), **({"process_groups": rank0["process_groups"]}
+                                                    if "process_groups" in rank0 else {})}
+    # a rank died or was killed before it recorded the case
+    for rank, code in enumerate(launch["returncodes"]):
+        if rank in launch["killed"]:
+            continue
+        if code not in (0, None) and not (launch["ranks"][rank] or {}).get("cases", {}).get(case):
+            return {"ran": True, "right": False, "error": f"exit {code}",
+                    "text": f"rank {rank} aborted (exit {code}): {_first_line(_native_error(launch['tails'][rank]))}"}
+    where = "; ".join(f"rank {r}: {(launch['ranks'][r] or {}).get('where', '?')}" for r in launch["killed"])
+    return {"ran": True, "right": False, "error": "timeout",
+            "text": f"killed after {launch['seconds']:.0f} s (outer timeout or a peer failed): {where}"}
+
+
+def patch_rows(launches: dict[str, dict], world_size: int, expected: dict[str, str]) -> dict[str, Any]:
+    rows = {}
+    planned = (launches.get("plugin on: bug cases") or {}).get("cases") or []
+    for patch in PATCHES:
+        can, ran, why = strikes(patch.bug, world_size)
+        row: dict[str, Any] = {"bug": patch.bug, "case": patch.what, "strikes_at_this_world_size": can,
+                               "note": why, "expected_off": expected.get(patch.bug, "no expectation")}
+        if ran and patch.bug not in planned:
+            row["note"] = "not run (not selected with --only)"
+        elif ran:
+            row["on"] = outcome(launches.get("plugin on: bug cases"), patch.bug)
+            row["off"] = outcome(launches.get(f"{patch.name} off"), patch.bug)
+            row["bug_seen_off"] = row["off"]["ran"] and not row["off"]["right"]
+            row["off_agrees"] = agrees(row["expected_off"], row["bug_seen_off"]) if row["off"]["ran"] else None
+        rows[patch.name] = row
+    return rows
+
+
+def training_rows(launches: dict[str, dict], device: str) -> dict[str, Any]:
+    rows = {}
+    for flavour, what in TRAINING.items():
+        if flavour == "train_offload" and device != "cuda":
+            rows[flavour] = {"what": what, "skipped": "CPU offload needs a CUDA device: there is nothing to offload "
+                                                      "from on a CPU run (and pinned memory needs CUDA)"}
+            continue
+        rows[flavour] = {"what": what, "on": outcome(launches.get("plugin on: training"), flavour),
+                         "off": outcome(launches.get("plugin off: training"), flavour)}
+    return rows
+
+
+def cost_summary(launch: dict[str, Any] | None) -> dict[str, Any]:
+    if launch is None or launch.get("skipped"):
+        return {"error": (launch or {}).get("skipped", "not run")}
+    rank0 = launch["ranks"][0] or {}
+    cost = rank0.get("cost")
+    if not cost:
+        return {"error": outcome(launch, "cost")["text"] if launch["returncodes"][0] else "no cost reported"}
+    return cost
+
+
+def verdict(report: dict[str, Any]) -> tuple[bool, list[str], list[str]]:
+    """(ok, problems, findings): ok when every run case is right with the plugin on and the cost
+    was measured; findings are plugin-off results that differ from tests/expected.py."""
+    problems, findings = [], []
+    for name, row in report["patches"].items():
+        if "on" in row and not row["on"]["right"]:
+            problems.append(f"{name} with the plugin on: {row['on']['text']}")
+        if row.get("off_agrees") is False:
+            findings.append(f"{name} off: expected '{row['expected_off']}', got: {row['off']['text']}")
+    for name, row in report["training"].items():
+        if "on" in row and not row["on"]["right"]:
+            problems.append(f"{name} with the plugin on: {row['on']['text']}")
+    cost = report["cost"]
+    if "skipped" in cost:
+        pass
+    elif "error" in cost or not all("off" in c["variants"] and "on" in c["variants"] for c in cost["cases"].values()):
+        problems.append(f"step cost: {cost.get('error', 'a variant is missing')}")
+    return not problems, problems, findings
+
+
+def _cell(result: dict[str, Any] | None, off: bool) -> str:
+    if result is None:
+        return "-"
+    if not result["ran"]:
+        return result["text"]
+    if result["right"]:
+        return "right"
+    return ("BUG: " if off else "WRONG: ") + result["text"]
+
+
+def table(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    out = [f"fsdp-autopatch GPU check: {report['device']} ({', '.join(m.get('device_names') or ['CPU'])}), "
+           f"torch {m.get('torch')}, {report['backend']}, world size {report['world_size']}, "
+           f"{report['seconds']:.0f} s; plugin {report['plugin'].get('version')} from the wheel, bootstrap "
+           f"{report['plugin'].get('bootstrap')}", ""]
+    out.append(f"{'patch':<27} {'bug':<3} {'here?':<5} {'plugin on':<10} {'off agrees':<10} "
+               "plugin off (that patch's variable =0)")
+    for name, row in report["patches"].items():
+        if "on" not in row:
+            here = "yes" if row["strikes_at_this_world_size"] else "no"
+            out.append(f"{name:<27} {row['bug']:<3} {here:<5} {'-':<10} {'-':<10} {row['note']}")
+            continue
+        agree = {True: "yes", False: "NO", None: "-"}[row["off_agrees"]]
+        here = "yes" if row["strikes_at_this_world_size"] else "no"
+        out.append(f"{name:<27} {row['bug']:<3} {here:<5} {_cell(row['on'], False)[:10]:<10} {agree:<10} "
+                   f"{_cell(row['off'], True)}")
+        if row["note"] and row["strikes_at_this_world_size"] is False:
+            out.append(f"{'':<31}({row['note']})")
+    out += ["", "training, the first four bugs at once (bf16 params, fp32 reduce, accumulation, fill on):"]
+    for row in report["training"].values():
+        if "skipped" in row:
+            out.append(f"  {row['what']:<36} skipped: {row['skipped']}")
+            continue
+        out.append(f"  {row['what']:<36} on: {_cell(row['on'], False)}")
+        out.append(f"  {'':<36} off (FSDP_AUTOPATCH_ENABLED=0): {_cell(row['off'], True)}")
+    out += ["", _cost_table(report["cost"])]
+    ok, problems, findings = report["ok"], report["problems"], report["findings"]
+    out.append("")
+    out += [f"PROBLEM: {p}" for p in problems] + [f"finding: {f}" for f in findings]
+    out.append(f"gpu check: {'OK' if ok else 'FAILED'} (report: {report['report_path']})")
+    return "\n".join(out)
+
+
+def _cost_table(cost: dict[str, Any]) -> str:
+    if "error" in cost or "skipped" in cost:
+        return f"step cost: {cost.get('error') or 'not run (' + cost['skipped'] + ')'}"
+    lines = [f"step cost ({cost['timer']}; ~{cost['parameters_approx']:,} parameters, "
+             f"{cost['spec']['rounds']} rounds x {cost['spec']['steps']} steps per variant, medians):",
+             f"  {'case':<9} {'variant':<15} {'step ms':>9} {'ratio':>7} {'paired':>7} {'host ms':>8} "
+             f"{'restore us':>10} {'tolist us':>9} {'tolist/st':>9} {'syncs':>5} {'peak MiB':>9}"]
+    for case, summary in cost["cases"].items():
+        for variant, v in summary["variants"].items():
+            ratio = f"{v['ratio_to_off']:.3f}" if "ratio_to_off" in v else "-"
+            paired = f"{v['paired_block_ratio']:.3f}" if "paired_block_ratio" in v else "-"
+            peak = f"{v['peak_mib']:.0f}" if v["peak_mib"] is not None else "n/a"
+            syncs = "n/a" if v.get("host_syncs_per_restore") is None else str(v["host_syncs_per_restore"])
+            lines.append(f"  {case:<9} {variant:<15} {v['step_ms']:>9.2f} {ratio:>7} {paired:>7} {v['host_ms']:>8.2f} "
+                         f"{v['restore_us_per_step']:>10.1f} {v['tolist_us_per_step']:>9.1f} "
+                         f"{v['tolist_calls_per_step']:>9.1f} {syncs:>5} {peak:>9}")
+    lines.append("  (step ms: CUDA events around each step, the GPU's timeline with its idle gaps; restore us: "
+                 "time in the restore after backward; tolist us: blocked in its packed.tolist(); syncs: host syncs "
+                 "in one restore, as torch.cuda.set_sync_debug_mode reports them)" if cost["timer"] == "cuda events"
+                 else "  (step ms: time.perf_counter around each step; restore us: time in the restore after "
+                      "backward; tolist us: blocked in its packed.tolist(); no peak memory or sync count on CPU)")
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""``scripts/gpu_check.py --device cpu`` end to end: it builds the wheel, installs it into a
+throwaway venv over the test run's interpreter (so that venv's torch is used and the ``.pth``
+activates the plugin as for a user), runs every bug case on 2 gloo ranks with the plugin on and with
+each patch off, the training flavours and the step cost, and writes its JSON report; the report is
+checked here against ``tests/expected.py`` for this torch. About 40 s on 2 cores (small models).
+
+The same script, unchanged, is what runs on a CUDA machine (``--device cuda``); this test keeps its
+logic working where CI runs (no GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from _install_support import REPO, clean_env, describe, ex, run
+
+pytestmark = [pytest.mark.install, pytest.mark.timeout(600)]
+
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+
+
+def _torch_release() -> tuple[int, int] | None:
+    try:
+        return ex.release_of(importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def gpu_check_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    release = _torch_release()
+    if release is None or release < ex.OLDEST_RUNNABLE:
+        pytest.skip(f"FSDP2 on gloo needs torch >= 2.8 in the test run's environment (found {release})")
+    out = tmp_path_factory.mktemp("gpu-check")
+    result = run([sys.executable, SCRIPT, "--device", "cpu", "--out", out], env=clean_env(), timeout=420)
+    assert result.returncode == 0, describe(result)
+    assert "gpu check: OK" in result.stdout, describe(result)
+    report = json.loads((Path(out) / "report.json").read_text())
+    report["_stdout"] = result.stdout
+    return report
+
+
+def test_the_plugin_came_from_the_wheel_through_the_pth(gpu_check_report: dict) -> None:
+    plugin = gpu_check_report["plugin"]
+    assert plugin["bootstrap"] == "pth"
+    assert plugin["wheel"].startswith("fsdp_autopatch-") and plugin["wheel"].endswith(".whl")
+    assert "site-packages" in plugin["file"] and str(REPO / "src") not in plugin["file"]
+    where = (gpu_check_report["device"], gpu_check_report["backend"], gpu_check_report["world_size"])
+    assert where == ("cpu", "gloo", 2)
+    for launch in gpu_check_report["launches"]:  # rank 0 of every launch: started by the .pth
+        assert launch["plugin"]["loaded_by_startup"] and launch["plugin"]["bootstrap"] == "pth", launch
+        patch = launch["name"][: -len(" off")] if launch["name"].endswith(" off") else None
+        if patch:  # that patch's variable switched that patch off, and only it
+            disabled = [n for n, status in launch["plugin"]["statuses"].items() if status == "disabled"]
+            assert disabled == [patch], launch
+
+
+def test_every_patch_is_right_with_the_plugin_on(gpu_check_report: dict) -> None:
+    rows = gpu_check_report["patches"]
+    assert list(rows) == list(ex.PATCHES)
+    for name, row in rows.items():
+        if name == "post_forward_mesh_cache":  # needs an even mesh of 4 or more ranks
+            assert "on" not in row and not row["strikes_at_this_world_size"] and "4 or more" in row["note"]
+            continue
+        assert row["on"]["ran"] and row["on"]["right"], (name, row)
+    assert gpu_check_report["ok"] and not gpu_check_report["problems"]
+
+
+def test_the_bug_shows_with_its_patch_off_where_expected_says_so(gpu_check_report: dict) -> None:
+    release = ex.release_of(gpu_check_report["machine"]["torch"])
+    outcome = ex.unpatched_outcome(release)
+    for name, row in gpu_check_report["patches"].items():
+        if "off" not in row:
+            continue
+        expected = outcome[ex.BUG_OF[name]]
+        assert row["expected_off"] == expected
+        if expected == ex.NOT_MEASURED:
+            continue
+        assert row["off"]["ran"], (name, row)
+        assert row["bug_seen_off"] is (expected == ex.REPRODUCES), (name, expected, row["off"])
+        assert row["off_agrees"] is True
+    if ex.is_measured(release):
+        assert gpu_check_report["findings"] == []
+
+
+def test_training_flavours(gpu_check_report: dict) -> None:
+    training = gpu_check_report["training"]
+    for flavour in ("train_eager", "train_compile"):
+        assert training[flavour]["on"]["right"], training[flavour]
+        # plugin off: at least the restore's bug (d) shows on every measured release
+        assert training[flavour]["off"]["ran"] and not training[flavour]["off"]["right"], training[flavour]
+    assert "graphs compiled" in training["train_compile"]["on"]["text"]
+    assert gpu_check_report["compile"]["backend"] == "aot_eager"
+    assert "CUDA" in training["train_offload"]["skipped"]
+
+
+def test_step_cost_numbers(gpu_check_report: dict) -> None:
+    cost = gpu_check_report["cost"]
+    assert cost["timer"] == "time.perf_counter"
+    for case in ("fill_off", "fill_on"):
+        variants = cost["cases"][case]["variants"]
+        assert set(variants) == {"off", "on"}  # on_forced_sync only at one rank
+        for variant in variants.values():
+            assert variant["step_ms"] > 0 and variant["steps_timed"] > 0 and variant["peak_mib"] is None
+        assert variants["on"]["ratio_to_off"] > 0
+    # the flag all-reduce and its tolist run once per backward with the fill on, never with it off
+    assert cost["cases"]["fill_on"]["variants"]["on"]["tolist_calls_per_step"] == 1
+    assert cost["cases"]["fill_on"]["variants"]["on"]["restore_us_per_step"] > 0
+    assert cost["cases"]["fill_off"]["variants"]["on"]["tolist_calls_per_step"] == 0
+    assert "step cost (time.perf_counter" in gpu_check_report["_stdout"]
+
+
+def test_the_report_says_what_cannot_strike_at_one_rank(gpu_check_report: dict) -> None:
+    one = gpu_check_report["world_size_1"]
+    assert not one["unused_param_reduction"]["can_strike"] and one["unused_param_reduction"]["runs"]
+    assert not one["post_forward_mesh_cache"]["can_strike"] and not one["post_forward_mesh_cache"]["runs"]
+    assert all(one[name]["can_strike"] for name in ex.PATCHES
+               if name not in ("unused_param_reduction", "post_forward_mesh_cache"))
