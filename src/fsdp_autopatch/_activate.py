@@ -23,10 +23,10 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from . import _compat, _isolation, _patching, _process, _thirdparty, patches
+from ._catalogue import PATCH_NAMES, POLICIES
 from ._config import THIRD_PARTY, Decision, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
 from ._spec import Patch, Verdict, unsupported
-from .patches import FIXES, POLICIES
 
 logger = logging.getLogger("fsdp_autopatch")
 logger.addHandler(logging.NullHandler())
@@ -42,12 +42,12 @@ def activate(module: Any = None) -> None:
     """
     with _lock:
         externals, refused = _discover_isolated()
-        settings = _read_settings_safely(FIXES + tuple(external.name for external in externals))
+        settings = _read_settings_safely(PATCH_NAMES + tuple(external.name for external in externals))
         _record_refused(refused, settings)
         _configure_logging(settings)
         _isolation.set_strict(settings.strict)
         REGISTRY.record_torch_version(_process.torch_version())
-        for name in FIXES:
+        for name in PATCH_NAMES:  # fixes and guards, in catalogue order
             _run_fix(name, settings, patches.load_patch)
         for external in externals:
             _run_external(external, settings)
@@ -58,9 +58,9 @@ def activate(module: Any = None) -> None:
 def _discover_isolated() -> tuple[list[_thirdparty.External], list[_thirdparty.Refused]]:
     """Third-party patches from installed metadata (no code imported); none if that fails."""
     try:
-        externals, refused = _thirdparty.discover(FIXES + POLICIES)
+        externals, refused = _thirdparty.discover(PATCH_NAMES + POLICIES)
     except Exception as error:
-        REGISTRY.record_policy("third_party", f"not armed: discovery failed: {type(error).__name__}: {error}")
+        REGISTRY.record_third_party_failure(f"discovery failed: {type(error).__name__}: {error}")
         return [], []
     for external in externals:
         REGISTRY.add_external(external.name, external.provider)
@@ -170,7 +170,7 @@ def _run_policy(name: str, settings: Settings) -> None:
         verdict = verdict_of(patch)
         if verdict.status != "needed":
             message = f"requested but not applied: {verdict.reason}"
-            REGISTRY.record_policy(name, message)
+            REGISTRY.record_policy(name, message, verdict.status)
             if decision.variable:
                 warn(decision.variable, f"{decision.describe()} {message}")
             return
@@ -178,7 +178,7 @@ def _run_policy(name: str, settings: Settings) -> None:
         REGISTRY.record_policy(name, patch.changes)
     except Exception as error:  # a policy is never a reason for the user's import to fail
         where = _process.our_module_in(error)
-        REGISTRY.record_policy(name, f"not armed: {type(error).__name__}: {error} (in {where})")
+        REGISTRY.record_policy(name, f"not armed: {type(error).__name__}: {error} (in {where})", PatchStatus.FAILED)
         logger.debug("policy %s not armed", name, exc_info=True)
         if settings.strict and decision.variable is not None:
             raise  # strict: a policy the user asked for by its variable must be in force

@@ -11,6 +11,8 @@ Precedence for one patch: ``FSDP_AUTOPATCH_ENABLED`` (kill switch) > ``FSDP_AUTO
 import os
 import sys
 
+from . import _catalogue
+
 # The bootstrap imports this module at interpreter start when FSDP_AUTOPATCH_ENABLED is set, where
 # it may load nothing outside this package: so no `typing` (TYPE_CHECKING is False at run time) and
 # no `from __future__ import annotations` (that statement imports the `__future__` module, ~0.3 ms and one more entry in
@@ -20,21 +22,18 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Callable
 
-PREFIX = "FSDP_AUTOPATCH_"
+PREFIX = _catalogue.PREFIX
 KILL_SWITCH = "FSDP_AUTOPATCH_ENABLED"
 DISABLED_LIST = "FSDP_AUTOPATCH_DISABLED"
 STRICT = "FSDP_AUTOPATCH_STRICT"
 LOG_LEVEL = "FSDP_AUTOPATCH_LOG_LEVEL"
-REDUCE_SCATTER_UNUSED_PARAMS = "FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS"
-CROSS_RANK_CHECK = "FSDP_AUTOPATCH_CROSS_RANK_CHECK"
 THIRD_PARTY = "FSDP_AUTOPATCH_THIRD_PARTY"
 
-
-# Each policy's own switch (a policy keeps the variable users know; patches derive theirs).
-POLICY_VARIABLES = {
-    "reduce_scatter_unused_params_default_on": REDUCE_SCATTER_UNUSED_PARAMS,
-    "cross_rank_check": CROSS_RANK_CHECK,
-}
+# Each policy's own switch (a policy keeps the variable users know; fixes and guards derive theirs),
+# from the catalogue.
+POLICY_VARIABLES = {name: _catalogue.BY_NAME[name].toggle for name in _catalogue.POLICIES}
+REDUCE_SCATTER_UNUSED_PARAMS = POLICY_VARIABLES["reduce_scatter_unused_params_default_on"]
+CROSS_RANK_CHECK = POLICY_VARIABLES["cross_rank_check"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -50,7 +49,7 @@ class ConfigWarning(UserWarning):
 
 def patch_env_var(name: str) -> str:
     """The variable that switches one patch on or off, e.g. ``FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED``."""
-    return f"{PREFIX}{name.upper()}_ENABLED"
+    return _catalogue.toggle_for(name)
 
 
 def parse_bool(value: "str | None") -> "bool | None":
@@ -147,15 +146,28 @@ class Settings:
         reduce_scatter_unused_params: bool = False,
         cross_rank_check: bool = True,
         third_party: bool = True,
+        policies: "Mapping[str, bool] | None" = None,
     ) -> None:
         self.enabled = enabled
         # patch name -> Decision (enabled?, and the variable and value that decided it)
         self.patches = dict(patches or {})
         self.strict = strict
         self.log_level = log_level
-        self.reduce_scatter_unused_params = reduce_scatter_unused_params
-        self.cross_rank_check = cross_rank_check
         self.third_party = third_party  # patches other installed distributions declare
+        # policy name -> on? (each policy follows its own variable, or its catalogue default)
+        self.policies = {
+            "reduce_scatter_unused_params_default_on": reduce_scatter_unused_params,
+            "cross_rank_check": cross_rank_check,
+            **(policies or {}),
+        }
+
+    @property
+    def reduce_scatter_unused_params(self) -> bool:
+        return self.policies["reduce_scatter_unused_params_default_on"]
+
+    @property
+    def cross_rank_check(self) -> bool:
+        return self.policies["cross_rank_check"]
 
     def __repr__(self) -> str:
         return f"Settings({self.__dict__!r})"
@@ -165,10 +177,8 @@ class Settings:
         switch and the list name patches); a patch read_settings did not know follows the kill switch."""
         if name in self.patches:
             return self.patches[name]
-        if name == "reduce_scatter_unused_params_default_on":
-            return Decision(self.reduce_scatter_unused_params)
-        if name == "cross_rank_check":
-            return Decision(self.cross_rank_check)
+        if name in self.policies:
+            return Decision(self.policies[name])
         return Decision(True) if self.enabled else Decision(False, KILL_SWITCH, "0")
 
 
@@ -183,9 +193,7 @@ def read_settings(
     (default: the built-in ones).
     """
     if names is None:
-        # Here, not at the top: with the kill switch set, interpreter start imports this module
-        # and needs none of the catalogue.
-        from .patches import PATCH_NAMES as names
+        names = _catalogue.PATCH_NAMES
     enabled = _read_bool(environ, KILL_SWITCH, True, warn)
     disabled_list = _read_disabled_list(environ, warn, names)
     patches = {}
@@ -197,12 +205,14 @@ def read_settings(
         patches=patches,
         strict=_read_bool(environ, STRICT, False, warn),
         log_level=_read_log_level(environ, warn),
-        reduce_scatter_unused_params=_read_bool(environ, REDUCE_SCATTER_UNUSED_PARAMS, False, warn),
-        cross_rank_check=_read_bool(environ, CROSS_RANK_CHECK, True, warn),
         third_party=_read_bool(environ, THIRD_PARTY, True, warn),
+        policies={
+            name: _read_bool(environ, variable, _catalogue.BY_NAME[name].default, warn)
+            for name, variable in POLICY_VARIABLES.items()
+        },
     )
     for name, variable in POLICY_VARIABLES.items():
-        on = settings.decision(name).enabled
+        on = settings.policies[name]
         decided = parse_bool(environ.get(variable)) is not None  # a malformed value left the default
         settings.patches[name] = Decision(on, variable, environ[variable]) if decided else Decision(on)
     return settings
@@ -269,7 +279,7 @@ def _read_log_level(environ, warn) -> "str | None":
 
 def _known_variables(names) -> "frozenset[str]":
     return frozenset(
-        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, REDUCE_SCATTER_UNUSED_PARAMS, CROSS_RANK_CHECK, THIRD_PARTY}
+        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, THIRD_PARTY, *POLICY_VARIABLES.values()}
         | {patch_env_var(name) for name in names}
     )
 

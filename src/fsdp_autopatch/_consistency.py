@@ -62,9 +62,7 @@ import logging
 from typing import Any, NamedTuple
 
 from . import _compat, _isolation, _patching
-from ._config import CROSS_RANK_CHECK
 from ._registry import REGISTRY
-from ._spec import POLICY, Patch, Verdict, Wrap, needed
 
 NAME = "cross_rank_check"
 _CHECKED = "_fsdp_autopatch_cross_rank_checked"  # FSDPState attribute: this root was checked
@@ -94,12 +92,6 @@ def fingerprint() -> dict[str, str]:
     return items
 
 
-def _structural_check() -> Verdict:
-    # The root's _lazy_init runs before its first forward, before any FSDP2 collective.
-    _patching.original_of(_compat.fsdp_class("_fsdp_state", "FSDPState"), "_lazy_init")
-    return needed("FSDPState._lazy_init runs before the root's first collective")
-
-
 def revert() -> None:
     _patching.revert(NAME)
     _checked_groups.clear()
@@ -114,7 +106,8 @@ def record_skip(group_name: str, reason: str) -> None:
     REGISTRY.record_policy(NAME, f"{ARMED}; {details}")
 
 
-def _check_after_lazy_init(wrapped, state, args, kwargs):
+def check_after_lazy_init(wrapped, state, args, kwargs):
+    """The policy's wrapper of ``FSDPState._lazy_init`` (declared in ``patches/cross_rank_check.py``)."""
     result = wrapped(*args, **kwargs)
     # _lazy_init runs before every forward and returns at once after the first: stay as cheap.
     if state._is_root and not vars(state).get(_CHECKED):
@@ -372,18 +365,3 @@ def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:_MAX_RANKS_SHOWN]))
     more = f" and {len(ranks) - _MAX_RANKS_SHOWN} more" if len(ranks) > _MAX_RANKS_SHOWN else ""
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
-
-
-PATCH = Patch(
-    name=NAME,
-    summary="every rank of a process group runs the same patches, checked at the first forward",
-    symptom="ranks with different patches issue different collectives: NCCL hangs, gloo aborts",
-    trigger="one node's environment differs (a patch switched off, another torch, no plugin)",
-    upstream=(),
-    affected=">=2.6",
-    check=_structural_check,
-    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState._lazy_init", _check_after_lazy_init),),
-    changes=ARMED,
-    kind=POLICY,
-    variable=CROSS_RANK_CHECK,
-)

@@ -20,10 +20,10 @@ import warnings
 from typing import Any, NamedTuple
 
 from . import _hook, _process
-from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, ConfigWarning, read_settings
+from ._catalogue import PATCH_NAMES, POLICIES
+from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, THIRD_PARTY, ConfigWarning, read_settings
 from ._process import HOOK_TARGET
 from ._registry import CALL_TIME_FAILURE, REGISTRY, PatchStatus
-from .patches import FIXES, POLICIES
 
 PTH_NAME = "fsdp_autopatch.pth"
 START_NAME = "fsdp_autopatch.start"
@@ -187,10 +187,10 @@ def _patch_names() -> tuple[str, ...]:
     try:
         from . import _thirdparty  # inside the try: doctor must run when our own modules do not
 
-        externals, _ = _thirdparty.discover(FIXES + POLICIES)
+        externals, _ = _thirdparty.discover(PATCH_NAMES + POLICIES)
     except Exception:  # unreadable metadata, or a module of ours that does not import: findings say so
         externals = []
-    return FIXES + tuple(external.name for external in externals)
+    return PATCH_NAMES + tuple(external.name for external in externals)
 
 
 def _torch_and_patches() -> list[Finding]:
@@ -215,7 +215,7 @@ def _torch_and_patches() -> list[Finding]:
         ))
     report = REGISTRY.snapshot()
     armed = _process.armed()
-    findings += _policy_findings(report.policies)
+    findings += _policy_findings(report)
     for record in report.patches:
         finding = _patch_finding(record)
         if not armed and finding.level == OK:
@@ -261,17 +261,18 @@ def _patch_finding_of_status(record: Any) -> Finding:
     return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
 
 
-# A policy whose description starts like this did not do what was asked (see _activate).
-_POLICY_NOT_IN_FORCE = ("not armed", "failed", "requested but not applied")
-
-
-def _policy_findings(policies: dict[str, str]) -> list[Finding]:
-    findings = []
-    for name, description in policies.items():
-        if description.startswith(_POLICY_NOT_IN_FORCE):
-            findings.append(Finding(
-                f"policy {name}", WARNING, description, "report this with `fsdp-autopatch doctor --json`"
-            ))
+def _policy_findings(report: Any) -> list[Finding]:
+    """A policy that was switched on but is not in force; a third-party discovery that failed."""
+    findings = [
+        Finding(f"policy {record.name}", WARNING, record.description, "report this with `fsdp-autopatch doctor --json`")
+        for record in report.policy_records
+        if not record.in_force
+    ]
+    if report.third_party_failure is not None:
+        findings.append(Finding(
+            "third-party patches", WARNING, f"none armed: {report.third_party_failure}",
+            f"report this with `fsdp-autopatch doctor --json`, or set {THIRD_PARTY}=0",
+        ))
     return findings
 
 

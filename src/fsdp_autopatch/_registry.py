@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import _process
+from ._catalogue import PATCH_NAMES
 from ._config import KILL_SWITCH, THIRD_PARTY, patch_env_var
 from ._process import HOOK_TARGET
 from ._version import __version__
-from .patches import PATCH_NAMES
 
 
 class PatchStatus(str, enum.Enum):
@@ -70,6 +70,24 @@ class PatchRecord:
 
 
 @dataclass(frozen=True)
+class PolicyRecord:
+    """The registry's answer for one policy that was switched on (a policy left off has none).
+
+    ``status``: ``applied`` (in force), ``not_needed`` / ``unsupported`` (requested, but this torch
+    has nothing for it to act on, or differs), ``failed`` (raised while arming, or at call time).
+    ``description`` is what ``status().policies[name]`` shows.
+    """
+
+    name: str
+    status: PatchStatus
+    description: str
+
+    @property
+    def in_force(self) -> bool:
+        return self.status is PatchStatus.APPLIED
+
+
+@dataclass(frozen=True)
 class StatusReport:
     """A snapshot of the registry: what ``fsdp_autopatch.status()`` returns."""
 
@@ -77,7 +95,11 @@ class StatusReport:
     torch: str | None  # torch.__version__, or None when torch is not installed
     bootstrap: str  # how the plugin started here: "pth", "start", "explicit" or "not_run"
     patches: tuple[PatchRecord, ...]
+    # policy name -> description, for each policy switched on (public since 0.1; see policy_records)
     policies: dict[str, str] = field(default_factory=dict)
+    policy_records: tuple[PolicyRecord, ...] = ()
+    # why patches declared by other distributions could not be discovered, or None
+    third_party_failure: str | None = None
 
     def __getitem__(self, name: str) -> PatchRecord:
         for record in self.patches:
@@ -86,13 +108,16 @@ class StatusReport:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        report = {
             "version": self.version,
             "torch": self.torch,
             "bootstrap": self.bootstrap,
             "patches": [record.to_dict() for record in self.patches],
             "policies": dict(self.policies),
         }
+        if self.third_party_failure is not None:  # the usual report keeps its 0.1 keys
+            report["third_party_failure"] = self.third_party_failure
+        return report
 
 
 _PENDING_REASON = f"waiting for {HOOK_TARGET} to be imported"
@@ -120,7 +145,8 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[str, _Entry] = {}
-        self._policies: dict[str, str] = {}
+        self._policies: dict[str, PolicyRecord] = {}
+        self._third_party_failure: str | None = None
         self._fired: dict[str, int] = {}
         self._torch_version: str | None = None
         self.reset()
@@ -130,6 +156,7 @@ class Registry:
         with self._lock:
             self._records = {name: _Entry(PatchStatus.PENDING, _PENDING_REASON) for name in PATCH_NAMES}
             self._policies = {}
+            self._third_party_failure = None
             self._fired = {}
 
     def record(
@@ -147,8 +174,8 @@ class Registry:
         the decision that let it be tried and which check decided it."""
         with self._lock:
             entry = self._records.get(name)
-            if entry is None:  # a policy: recorded under "policies", where doctor reads "failed"
-                self._policies[name] = reason
+            if entry is None:  # a policy: recorded under "policies"
+                self._policies[name] = PolicyRecord(name, PatchStatus.FAILED, reason)
                 return
             applied = f" (it had applied: {entry.reason})" if entry.status is PatchStatus.APPLIED else ""
             self._records[name] = _Entry(
@@ -177,9 +204,15 @@ class Registry:
             self._fired[name] = count
             return count
 
-    def record_policy(self, name: str, description: str) -> None:
+    def record_policy(self, name: str, description: str, status: PatchStatus | str = PatchStatus.APPLIED) -> None:
+        """A policy that was switched on: in force (``applied``) or why not (the other statuses)."""
         with self._lock:
-            self._policies[name] = description
+            self._policies[name] = PolicyRecord(name, PatchStatus(status), description)
+
+    def record_third_party_failure(self, reason: str) -> None:
+        """Discovering other distributions' patches failed: none of them is armed."""
+        with self._lock:
+            self._third_party_failure = reason
 
     def record_torch_version(self, version: str | None) -> None:
         with self._lock:
@@ -197,8 +230,13 @@ class Registry:
                 _explain_pending(_as_record(name, e, self._fired.get(name, 0)), torch_version)
                 for name, e in self._records.items()
             )
-            policies = dict(self._policies)
-        return StatusReport(__version__, torch_version, _process.started_by() or "not_run", patches, policies)
+            policy_records = tuple(self._policies.values())
+            third_party_failure = self._third_party_failure
+        descriptions = {record.name: record.description for record in policy_records}
+        started_by = _process.started_by() or "not_run"
+        return StatusReport(
+            __version__, torch_version, started_by, patches, descriptions, policy_records, third_party_failure
+        )
 
 
 def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:

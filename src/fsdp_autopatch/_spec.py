@@ -23,10 +23,9 @@ Example (``patches/accumulated_grad_guard.py``)::
 
 from typing import Any, Callable, NamedTuple, Optional
 
-from ._config import patch_env_var as toggle_for
+from ._catalogue import FIX, GUARD, POLICY, toggle_for
 
-FIX = "fix"  # corrects torch's behaviour where the bug strikes; on by default
-POLICY = "policy"  # changes a default or adds a safety net on request; recorded under "policies"
+__all__ = ["FIX", "GUARD", "POLICY", "Add", "Patch", "Verdict", "Wrap", "needed", "not_needed", "unsupported"]
 
 # Which check decided a verdict (``Verdict.decided_by``).
 STRUCTURE = "structural check"
@@ -105,7 +104,7 @@ class Add(NamedTuple):
 
 
 class Patch(NamedTuple):
-    """One fix (or policy), declared once.
+    """One fix, guard or policy, declared once (its name, kind and order: ``_catalogue``).
 
     name       -- identifier, also the toggle ``FSDP_AUTOPATCH_<NAME>_ENABLED`` and the registry key
     summary    -- one line: what the user gets (README table, ``__init__`` docstring, status)
@@ -117,8 +116,10 @@ class Patch(NamedTuple):
                   when torch's internals differ (recorded as unsupported)
     targets    -- what is replaced, all or nothing (:class:`Wrap`, :class:`Add`)
     changes    -- what applying it changed, for the registry's reason
-    kind       -- :data:`FIX` or :data:`POLICY`
+    kind       -- :data:`FIX`, :data:`GUARD` or :data:`POLICY` (the catalogue's entry says the same)
     variable   -- the toggle; derived from the name unless given (policies keep their own names)
+    after      -- entries whose targets must be wrapped before this one's (so this wrapper runs
+                  outside theirs); the catalogue's order respects it (tests/unit/test_catalogue.py)
     """
 
     name: str
@@ -132,6 +133,7 @@ class Patch(NamedTuple):
     changes: str
     kind: str = FIX
     variable: Optional[str] = None
+    after: tuple[str, ...] = ()
 
     @property
     def toggle(self) -> str:

@@ -12,44 +12,65 @@ interpreter against the stand-in torch:
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from test_fault_injection import FAKE_TORCH, SRC, describe, run_child
 
-from fsdp_autopatch.patches import FIXES
+from fsdp_autopatch import _catalogue as catalogue
 
 pytestmark = pytest.mark.timeout(300)
 
 INJECTED = "injected by the test"
 # module -> what the registry must show: "all" patches failed, some patches, "policy" (only the
 # cross-rank check is not armed), or None when the registry itself cannot be imported.
-HOOK_PATH = {
+_CORE = {
     "fsdp_autopatch._activate": "all",
     "fsdp_autopatch._compat": "all",
     "fsdp_autopatch._spec": "all",
     "fsdp_autopatch._patching": "all",
-    "fsdp_autopatch.patches": None,  # the catalogue: the settings and the registry read its names
-    "fsdp_autopatch.patches.accumulated_grad_guard": ("accumulated_grad_guard",),
-    "fsdp_autopatch.patches.unused_param_reduction": ("unused_param_reduction", "restore_unused_param_grads"),
-    "fsdp_autopatch.patches.uniform_reduce_dtype": ("uniform_reduce_dtype",),
-    "fsdp_autopatch.patches.restore_unused_param_grads": ("restore_unused_param_grads",),
-    "fsdp_autopatch.patches.post_forward_mesh_cache": ("post_forward_mesh_cache",),
-    "fsdp_autopatch.patches.grouped_module_reuse": ("grouped_module_reuse",),
-    "fsdp_autopatch.patches.clip_grad_norm_multi_mesh": ("clip_grad_norm_multi_mesh",),
-    "fsdp_autopatch.patches.keep_param_attributes": ("keep_param_attributes",),
+    "fsdp_autopatch.patches": "all",  # load_patch imports each patch module through the package
     "fsdp_autopatch._consistency": "policy",
+    "fsdp_autopatch._catalogue": None,  # the settings and the registry read its names
     "fsdp_autopatch._config": None,
     "fsdp_autopatch._registry": None,
     "fsdp_autopatch._version": None,
     "fsdp_autopatch._process": None,
 }
+
+
+def _patch_modules_importing(name: str) -> tuple[str, ...]:
+    """The entries whose module imports patch module ``name`` (``from . import name``): they fail with it."""
+    importers = []
+    for entry in catalogue.ENTRIES:
+        if not entry.default:  # a policy left off is never loaded
+            continue
+        tree = ast.parse((Path(SRC) / "fsdp_autopatch" / "patches" / f"{entry.name}.py").read_text())
+        imported = {
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+            for alias in node.names
+        }
+        if name in imported:
+            importers.append(entry.name)
+    return tuple(importers)
+
+
+def _fails_with_its_module(entry) -> object:
+    if entry.kind == catalogue.POLICY:
+        return "policy"
+    return (entry.name, *_patch_modules_importing(entry.name))
+
+
+# Derived from the catalogue: every entry on by default (a policy left off is never loaded).
+HOOK_PATH = {**_CORE, **{entry.module: _fails_with_its_module(entry) for entry in catalogue.ENTRIES if entry.default}}
 # Start-up modules: the bootstrap (top-level, the one module the .pth imports) failing means the
 # .pth arms nothing, and status says the bootstrap did not run. The package's __init__ failing
 # stops the hook when torch executes (caught there) and status cannot be asked.
 START_UP = ("fsdp_autopatch", "_fsdp_autopatch_bootstrap")
-PATCHES = FIXES
+PATCHES = catalogue.PATCH_NAMES
 
 PROGRAM = """
     import json, site, sys

@@ -45,4 +45,5 @@ PATCH = Patch(
     changes=f"every FSDP unit starts with reduce_scatter_unused_params on ({REDUCE_SCATTER_UNUSED_PARAMS}=1)",
     kind=POLICY,
     variable=REDUCE_SCATTER_UNUSED_PARAMS,
+    after=("unused_param_reduction",),  # before 2.13 the flag it sets is the backport's
 )

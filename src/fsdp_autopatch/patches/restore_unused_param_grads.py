@@ -255,4 +255,7 @@ PATCH = Patch(
         Wrap(f"{_FSDP2}._fsdp_param_group:FSDPParamGroup.{_RESET}", _drop_probe_on_reset, when=_has_reset),
     ),
     changes="gradients it creates for parameters no rank used are reset to None",
+    # its post_backward wrapper must sit outside the fill's, so that its usage probe sees the
+    # gradients before the zero fill
+    after=("unused_param_reduction",),
 )

@@ -1,0 +1,66 @@
+"""The catalogue (``fsdp_autopatch._catalogue``) and the declarations (each module's ``PATCH``) agree.
+
+The catalogue is the one list of names, kinds and order; the declarations say what each entry
+does. Every per-patch table of the package is derived from the two; these tests name the entry
+when something is missing or out of order, so that a new entry cannot be half-added.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import expected as ex
+from fsdp_autopatch import _catalogue as catalogue
+from fsdp_autopatch.patches import load_patch
+
+PATCHES_DIR = Path(catalogue.__file__).parent / "patches"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "patches"
+
+
+def test_every_patch_module_is_in_the_catalogue():
+    modules = {path.stem for path in PATCHES_DIR.glob("*.py") if path.stem != "__init__"}
+    assert sorted(modules - set(catalogue.BY_NAME)) == [], "patch modules missing from _catalogue.ENTRIES"
+    assert sorted(set(catalogue.BY_NAME) - modules) == [], "catalogue entries without a module"
+
+
+@pytest.mark.parametrize("entry", catalogue.ENTRIES, ids=lambda entry: entry.name)
+def test_the_declaration_agrees_with_its_entry(entry):
+    patch = load_patch(entry.name)
+    assert (patch.name, patch.kind, patch.toggle) == (entry.name, entry.kind, entry.toggle)
+
+
+@pytest.mark.parametrize("entry", catalogue.ENTRIES, ids=lambda entry: entry.name)
+def test_the_order_respects_every_after(entry):
+    position = {e.name: i for i, e in enumerate(catalogue.ENTRIES)}
+    for earlier in load_patch(entry.name).after:
+        assert earlier in position, f"{entry.name}.after names {earlier!r}, which is not in the catalogue"
+        assert position[earlier] < position[entry.name], f"{entry.name} must come after {earlier} in _catalogue.ENTRIES"
+
+
+def test_policies_apply_after_every_fix_and_guard():
+    kinds = [entry.kind for entry in catalogue.ENTRIES]
+    first_policy = kinds.index(catalogue.POLICY)
+    assert catalogue.POLICY not in kinds[:first_policy] and set(kinds[first_policy:]) == {catalogue.POLICY}
+
+
+def test_the_catalogue_module_is_a_leaf():
+    tree = ast.parse(Path(catalogue.__file__).read_text())
+    imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert imports == [], "the catalogue is read on the start-up path: it imports nothing"
+
+
+@pytest.mark.parametrize("name", catalogue.PATCH_NAMES)
+def test_every_fix_and_guard_has_a_docs_page(name):
+    assert (DOCS / f"{name}.md").is_file(), f"docs/patches/{name}.md is missing"
+
+
+def test_the_oracle_knows_every_fix_and_guard():
+    """tests/expected.py is hand-written on purpose (the matrix checks against it), but complete."""
+    assert list(ex.PATCHES) == list(catalogue.PATCH_NAMES), "tests/expected.py PATCHES must follow the catalogue"
+    assert sorted(ex.BUG_OF) == sorted(catalogue.PATCH_NAMES), "tests/expected.py BUG_OF lacks an entry"
+    for release in ex.MEASURED:
+        assert sorted(ex.expected_status(release)) == sorted(catalogue.PATCH_NAMES), ex.release_text(release)
+        assert sorted(ex.unpatched_outcome(release)) == sorted(ex.BUG_OF.values()), ex.release_text(release)
