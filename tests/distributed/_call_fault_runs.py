@@ -1,4 +1,4 @@
-"""The training runs of the call-time isolation scenarios (``_call_fault_scenarios``).
+"""The training runs of the call-time isolation scenarios (``_call_faults_scenarios``).
 
 Each run builds a fresh model (the same seeds every time), trains it on this rank and returns what
 the tests compare between phases: full gradients (and which are None), and per run what it is
@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-import _clip_scenarios as cl
+import _clip_grad_norm_multi_mesh_scenarios as cl
 import _dist_scenarios as sc
-import _mesh_cache_scenarios as mc
-import _reuse_scenarios as rs
+import _grouped_module_reuse_scenarios as rs
+import _post_forward_mesh_cache_scenarios as mc
 
 TAG = "no_weight_decay"  # the parameter attribute keep_param_attributes carries
 BAD_RESHARD = (3, 0, 2.0)  # invalid reshard_after_forward on a 2-rank mesh: torch's ValueError

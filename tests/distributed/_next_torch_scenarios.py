@@ -17,9 +17,9 @@ record is the same on every rank (full tensors):
   micro-batches (the dtype mix), or one micro-batch (no mix);
 - ``restore``: the experts model, the fill on, AdamW; a warm-up step, then expert 2 used by no rank;
 - ``routing``: the experts model, the fill on, rank r uses expert r and 2 (every expert used);
-- ``reuse``: ``_reuse_scenarios``' ``mtp`` model, one step;
-- ``attrs``: ``_attrs_scenarios``' marked model: the marks after fully_shard, forward, backward;
-- ``clip``: ``_clip_scenarios``' model on two meshes and on one, ``clip_grad_norm_`` (with
+- ``reuse``: ``_grouped_module_reuse_scenarios``' ``mtp`` model, one step;
+- ``attrs``: ``_keep_param_attributes_scenarios``' marked model: the marks after fully_shard, forward, backward;
+- ``clip``: ``_clip_grad_norm_multi_mesh_scenarios``' model on two meshes and on one, ``clip_grad_norm_`` (with
   ``dtype=torch.float64`` too where the simulated torch has that parameter);
 - ``mesh`` (4 ranks): 8 units with ``reshard_after_forward=2``: process groups created, one step.
 """
@@ -37,13 +37,13 @@ if TESTS not in sys.path:
 
 import torch  # noqa: E402
 
-import _attrs_scenarios as ats  # noqa: E402
-import _clip_scenarios as cl  # noqa: E402
+import _clip_grad_norm_multi_mesh_scenarios as cl  # noqa: E402
 import _dist_scenarios as sc  # noqa: E402
-import _mesh_cache_scenarios as mc  # noqa: E402
+import _grouped_module_reuse_scenarios as rs  # noqa: E402
+import _keep_param_attributes_scenarios as ats  # noqa: E402
 import _next_torch as nt  # noqa: E402
 import _next_torch_changes as ch  # noqa: E402
-import _reuse_scenarios as rs  # noqa: E402
+import _post_forward_mesh_cache_scenarios as mc  # noqa: E402
 
 CLIP_LAYOUTS = ("two_1d", "one_mesh")
 _meshes: dict[str, Any] = {}

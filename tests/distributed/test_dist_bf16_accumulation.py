@@ -1,6 +1,6 @@
 """What doctor's bf16 accumulation hint states, measured on the installed torch (LlamaFactory 9769).
 
-2 gloo ranks (``_accum_scenarios``), 64 micro-batches with gradient sync off on all but the last,
+2 gloo ranks (``_bf16_accumulation_scenarios``), 64 micro-batches with gradient sync off on all but the last,
 one run per ``MixedPrecisionPolicy``. The hint (``_doctor.bf16_accumulation_hint``, evaluated in this
 process on the same torch) names the policy that accumulates in bf16 on this release; that policy
 must accumulate in bf16 and give at least twice the gradient error of ``reduce_dtype=torch.float32``
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import _accum_scenarios as ac
+import _bf16_accumulation_scenarios as ac
 from _dist_launcher import run_ranks
 from fsdp_autopatch import _doctor
 

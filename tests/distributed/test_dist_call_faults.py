@@ -1,6 +1,6 @@
 """Call-time isolation on real FSDP2 training steps: a function of ours made to raise.
 
-Gloo ranks on CPU, the plugin on (``_call_fault_scenarios``). For each case one function a
+Gloo ranks on CPU, the plugin on (``_call_faults_scenarios``). For each case one function a
 wrapper calls (before torch's original, or after it where the wrapper has code after) is replaced
 by a stand-in that raises ``InjectedFault``; each case runs the same training four ways in one
 process: the patch reverted (torch's own behaviour), the patch healthy, the fault, and after it.
@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 
-import _call_fault_scenarios as cf
+import _call_faults_scenarios as cf
 import _dist_checks as ck
 from _dist_launcher import RunResult, run_ranks
 

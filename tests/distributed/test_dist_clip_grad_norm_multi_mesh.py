@@ -1,6 +1,6 @@
 """clip_grad_norm_multi_mesh: gradient clipping over FSDP2 gradients on several meshes (issue 180346).
 
-2 gloo ranks (``_clip_scenarios``): experts on an ``("edp",)`` mesh next to dense parameters on a
+2 gloo ranks (``_clip_grad_norm_multi_mesh_scenarios``): experts on an ``("edp",)`` mesh next to dense parameters on a
 ``("dp",)`` mesh, or on a (1, 2) HSDP mesh; the same model on one mesh; a one-process reference.
 ``clip_grad_norm_`` (bound before FSDP2 was imported), ``get_total_norm`` + ``clip_grads_with_norm_``
 and ``clip_grads_with_norm_`` alone; norm 2 and inf; foreach None / True / False; a plain-tensor
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import _clip_scenarios as cl
+import _clip_grad_norm_multi_mesh_scenarios as cl
 import _dist_checks as ck
 from _dist_launcher import run_ranks
 

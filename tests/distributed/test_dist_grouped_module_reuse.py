@@ -1,6 +1,6 @@
 """grouped_module_reuse: a grouped unit's module called again in the root's forward (issue 183702).
 
-2 gloo ranks, the issue's smallest input (``_reuse_scenarios``): ``fully_shard(layer)``,
+2 gloo ranks, the issue's smallest input (``_grouped_module_reuse_scenarios``): ``fully_shard(layer)``,
 ``fully_shard([norm, head])``, ``fully_shard(model)``; the forward calls ``head`` again on
 ``mtp.proj(h)`` and keeps that output on ``model.mtp.aux``. One launch without the patch, one with
 it, the same cases in the same order: the repeat-call cases (1 and 2 micro-batches, HSDP meshes,
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import _dist_checks as ck
-import _reuse_scenarios as rs
+import _grouped_module_reuse_scenarios as rs
 from _dist_launcher import run_ranks
 
 pytestmark = pytest.mark.timeout(300)

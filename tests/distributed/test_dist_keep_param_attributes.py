@@ -1,6 +1,6 @@
 """keep_param_attributes: user attributes on parameters across ``fully_shard`` (2 gloo ranks).
 
-``AttrsNet`` (``_attrs_scenarios``): units ``fully_shard(inp)``, ``fully_shard([norm, head])`` and
+``AttrsNet`` (``_keep_param_attributes_scenarios``): units ``fully_shard(inp)``, ``fully_shard([norm, head])`` and
 the root (holding ``proj``); ``no_weight_decay``, ``sequence_parallel``, tag strings, a dict, a
 private name, a tensor and a list holding a tensor set on the original parameters. An AdamW
 built from ``no_weight_decay`` (weight decay 0.5 for the others) takes two steps; the weights are
@@ -20,15 +20,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _attrs_scenarios as at
 import _dist_checks as ck
+import _keep_param_attributes_scenarios as at
 from _dist_launcher import HERE, RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(420)
 
 PATCH = "keep_param_attributes"
 BUG = "g"
-SCRIPT = HERE / "_attrs_scenarios.py"
+SCRIPT = HERE / "_keep_param_attributes_scenarios.py"
 LAUNCH_TIMEOUT_S = 180.0
 CASES = ("default", "cpu_offload")
 STAGES = ("fully_shard", "apply", "forward", "backward", "step0", "step1", "unshard", "reshard")

@@ -23,13 +23,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import _attrs_scenarios as ats
-import _clip_scenarios as cl
+import _clip_grad_norm_multi_mesh_scenarios as cl
 import _dist_checks as ck
 import _dist_scenarios as sc
-import _mesh_cache_scenarios as mc
+import _grouped_module_reuse_scenarios as rs
+import _keep_param_attributes_scenarios as ats
 import _next_torch_expected as nx
-import _reuse_scenarios as rs
+import _post_forward_mesh_cache_scenarios as mc
 from _dist_launcher import HERE, RunResult, run_ranks
 
 RELEASE = nx.release_group(torch.__version__)

@@ -1,6 +1,6 @@
 """post_forward_mesh_cache on 4 gloo ranks: reshard_after_forward=2 on a 4-rank shard mesh.
 
-One launch with the patch disabled, one with it (``_mesh_cache_scenarios``, several cases each).
+One launch with the patch disabled, one with it (``_post_forward_mesh_cache_scenarios``, several cases each).
 Without it every unit builds its own post-forward DeviceMesh: 2 process groups per unit on every
 rank (8 units -> 16, 16 -> 32). With it the units of a world share one (2 groups, then 0 for every
 further model, a mesh sliced anew per call and parameters placed on a second mesh over the same
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import _dist_checks as ck
-import _mesh_cache_scenarios as mc
+import _post_forward_mesh_cache_scenarios as mc
 from _dist_launcher import HERE, RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
 PATCH = "post_forward_mesh_cache"
-SCRIPT = HERE / "_mesh_cache_scenarios.py"
+SCRIPT = HERE / "_post_forward_mesh_cache_scenarios.py"
 LAUNCH_TIMEOUT_S = 240.0  # 4 ranks on a busy 2-core machine: torch import x 4 is most of it
 TRAINED = ("units8", "units16", "uneven_gc")
 # process groups each rank gains per case: torch alone (2 per unit and mesh) / with the patch
