@@ -7,8 +7,9 @@
 Generated blocks sit between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` (in the
 package docstring: ``.. generated: NAME`` and ``.. end generated``):
 
-* README.md ``patches``: the patch table;
-* docs/configuration.md ``toggles``: one row per patch variable;
+* README.md ``patches``: the table of fixes and guards; ``demo-bugs``: the ``demo --bug`` names;
+* docs/configuration.md ``toggles``: one row per fix and guard variable;
+* docs/how-it-works.md ``ordering``: the catalogue's order, each entry's kind and ``after``;
 * src/fsdp_autopatch/__init__.py ``patches``: the docstring's list.
 
 The matrix report's header comes from ``tests/expected.py`` (the hand-written oracle), which
@@ -30,7 +31,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from packaging.specifiers import SpecifierSet  # noqa: E402
 
-from fsdp_autopatch import patches  # noqa: E402
+from fsdp_autopatch import _catalogue, patches  # noqa: E402
+from fsdp_autopatch.demo import bugs  # noqa: E402
 
 
 def torch_range(affected: str) -> str:
@@ -48,16 +50,34 @@ def torch_range(affected: str) -> str:
 
 
 def _fixes():
-    return [patches.load_patch(name) for name in patches.FIXES]
+    """Every fix and guard (the entries with a registry record and a toggle of their own)."""
+    return [patches.load_patch(name) for name in _catalogue.PATCH_NAMES]
 
 
 def readme_table() -> str:
-    lines = ["| patch | what you get | without it | when | torch affected |", "|---|---|---|---|---|"]
+    lines = ["| patch | kind | what you get | without it | when | torch affected |", "|---|---|---|---|---|---|"]
     for patch in _fixes():
         lines.append(
-            f"| [`{patch.name}`](docs/patches/{patch.name}.md) | {patch.summary} | "
+            f"| [`{patch.name}`](docs/patches/{patch.name}.md) | {patch.kind} | {patch.summary} | "
             f"{_code_if_error(patch.symptom)} | {patch.trigger} | {torch_range(patch.affected)} |"
         )
+    return "\n".join(lines)
+
+
+def demo_bugs() -> str:
+    return "`NAME` one of " + ", ".join(f"`{name}`" for name in bugs.NAMES)
+
+
+def ordering() -> str:
+    """The order the entries apply in, with the third-party patches where they go."""
+    lines = ["| # | entry | kind | applied after |", "|---|---|---|---|"]
+    number = 0
+    for entry in _catalogue.ENTRIES:
+        if entry.kind == _catalogue.POLICY and number == len(_catalogue.PATCH_NAMES):
+            lines.append("| | third-party patches, by distribution then entry-point name | fix or guard | |")
+        number += 1
+        after = ", ".join(f"`{name}`" for name in patches.load_patch(entry.name).after)
+        lines.append(f"| {number} | `{entry.name}` | {entry.kind} | {after} |")
     return "\n".join(lines)
 
 
@@ -78,7 +98,7 @@ LINE_LENGTH = 120  # pyproject.toml [tool.ruff] line-length: the docstring list 
 
 
 def init_list() -> str:
-    width = max(len(name) for name in patches.FIXES) + 4
+    width = max(len(name) for name in _catalogue.PATCH_NAMES) + 4
     items = []
     for patch in _fixes():
         bullet = f"* {('``' + patch.name + '``').ljust(width)} – "
@@ -92,8 +112,9 @@ def init_list() -> str:
 
 # file -> [(block name, generator, comment style)]
 TARGETS = {
-    ROOT / "README.md": [("patches", readme_table, "html")],
+    ROOT / "README.md": [("patches", readme_table, "html"), ("demo-bugs", demo_bugs, "html")],
     ROOT / "docs" / "configuration.md": [("toggles", toggle_rows, "html")],
+    ROOT / "docs" / "how-it-works.md": [("ordering", ordering, "html")],
     ROOT / "src" / "fsdp_autopatch" / "__init__.py": [("patches", init_list, "rst")],
 }
 _MARKERS = {

@@ -52,7 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "demo",
         help="train a tiny vision-language MoE on 2 CPU ranks that hits the first four patches' bugs "
-        "(--without-patches shows the failures; --bug NAME one of the later four)",
+        "(--without-patches shows the failures; --bug NAME another patch's bug on its own model)",
         add_help=False,
     )
     return parser

@@ -59,6 +59,8 @@ def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True) -> Any:
     def replacement(*args, **kwargs):
         return wrapper(original, None, args, kwargs)
 
+    # How a probe tells ours from torch's own functools.wraps decorators (both set __wrapped__).
+    replacement.__fsdp_autopatch_replacement__ = True
     return replacement
 
 

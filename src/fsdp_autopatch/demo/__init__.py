@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-autopatch demo",
         description="Train a tiny vision-language MoE with FSDP2 on two CPU ranks and check that "
-                    "the bugs of the first four patches stay fixed; --bug NAME shows one of the "
-                    "later four on its own model.")
+                    "the bugs of the first four patches stay fixed; --bug NAME shows another patch's bug "
+                    "on its own model.")
     parser.add_argument("--without-patches", action="store_true",
                         help="reproduce each bug with its patch disabled "
                              "(exit 0 if all four of the MoE's bugs reproduce)")

@@ -1,7 +1,7 @@
 """``fsdp-autopatch demo --bug NAME``: one bug's smallest training, without its patch, then with it.
 
-The four patches added after the demo's model (see the package docstring) each need a model of
-their own, so each has its own short run (``_bug_ranks``): a sub-run with only that patch disabled
+The patches whose bugs the demo's model does not meet each have a model of their own, so each has
+its own short run (``fsdp_autopatch.demo.bugs``, one module per patch): a sub-run with only that patch disabled
 (``FSDP_AUTOPATCH_<NAME>_ENABLED=0``) shows the failure or the wrong value, a sub-run with the
 plugin as installed shows the right value. Both are bounded by the demo's timeouts. Stdlib only.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import bugs
 from ._scenarios import RUN_TIMEOUT_S, Scenario
 from ._subrun import RunResult, describe_failure, one_line, run_scenario
 
@@ -21,22 +22,15 @@ class BugShow:
     what: str  # the run, in one line
 
 
-BUG_SHOWS = {
-    show.name: show
-    for show in (
-        BugShow("post_forward_mesh_cache", 4,
-                "8 Linear units with reshard_after_forward=2, and the root, on a 4-rank mesh; one backward"),
-        BugShow("grouped_module_reuse", 2,
-                "a grouped unit fully_shard([norm, head]) whose head runs again for an auxiliary "
-                "output kept on a module attribute; one backward"),
-        BugShow("keep_param_attributes", 2,
-                "parameters marked no_weight_decay / tagged before fully_shard; AdamW groups built "
-                "from the marks; one step"),
-        BugShow("clip_grad_norm_multi_mesh", 2,
-                "a dense layer on a ('dp',) mesh and an expert on an ('edp',) mesh over the same "
-                "ranks; clip_grad_norm_"),
-    )
-}
+def _shows() -> dict[str, BugShow]:
+    shows = {}
+    for name in bugs.NAMES:
+        module = bugs.load(name)
+        shows[name] = BugShow(name, module.WORLD_SIZE, module.WHAT)
+    return shows
+
+
+BUG_SHOWS = _shows()
 
 
 def _variable(name: str) -> str:
