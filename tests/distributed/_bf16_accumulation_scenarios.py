@@ -1,8 +1,7 @@
 """bf16 gradient accumulation scenarios (LlamaFactory issue 9769): what doctor's hint states.
 
-Run as a script (``run_ranks("bf16_accumulation", script=ACCUM_SCRIPT)``, 2 gloo ranks): it registers
-its scenario in ``_dist_scenarios.SCENARIOS`` and hands over to ``_dist_scenarios.main``. The test
-imports it for the model, the data and the one-process references.
+Scenario ``bf16_accumulation`` (``run_ranks("bf16_accumulation")``, 2 gloo ranks; see ``_registry``).
+The test imports this module for the model, the data and the one-process references.
 
 Model: ``Linear(64, 256) -> GELU -> Linear(256, 64)``, fp32 parameters, each ``Linear`` its own unit
 plus the root. Every rank runs ``args["micro_batches"]`` micro-batches of 8 samples with
@@ -16,13 +15,13 @@ No FSDP2 internals are changed here: no patch is involved (the plugin's patches 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-import _dist_scenarios as sc
+import _dist_common as sc
+from _registry import scenario
 
 IN, HIDDEN, SAMPLES = 64, 256, 8
 CONFIGS = ("fp32", "bf16/None", "bf16/bf16", "bf16/fp32")
@@ -108,15 +107,9 @@ def _accumulate(ctx: sc.Ctx, config: str, count: int) -> dict[str, Any]:
     return {"grads": [p.grad.full_tensor().double() for p in model.parameters()], "accumulated_in": accumulated_in}
 
 
+@scenario("bf16_accumulation")
 def sc_bf16_accumulation(ctx: sc.Ctx) -> None:
     count = int(ctx.args["micro_batches"])
     for config in CONFIGS:
         with ctx.case(config) as rec:
             rec.update(_accumulate(ctx, config, count))
-
-
-SCENARIOS = {"bf16_accumulation": sc_bf16_accumulation}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    sys.exit(sc.main())

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch.nn as nn
 
 import _clip_grad_norm_multi_mesh_scenarios as cl
-import _dist_scenarios as sc
+import _dist_common as sc
 import _grouped_module_reuse_scenarios as rs
 import _post_forward_mesh_cache_scenarios as mc
 

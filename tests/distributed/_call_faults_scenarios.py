@@ -1,7 +1,7 @@
 """Call-time isolation on real FSDP2 training: a function of ours made to raise inside a wrapper.
 
-Run as a script (``run_ranks("call_faults", script=CALL_FAULT_SCRIPT)``, gloo ranks on CPU, the
-plugin on as the ``.pth`` installed it). ``args["plan"]``: ``[case, phases, strict]`` entries, run in
+Scenario ``call_faults`` (``run_ranks("call_faults")``, gloo ranks on CPU, the plugin on as the
+``.pth`` installed it). ``args["plan"]``: ``[case, phases, strict]`` entries, run in
 order in one process. A case (:data:`CASES`) names a patch, the function of ours replaced by a
 stand-in (made with that module's globals, so a traceback shows it as the module's own function),
 the wrapper of ours that must be on the stack for the stand-in to act, and the training runs
@@ -29,8 +29,9 @@ import types
 from collections import Counter
 from typing import Any, Callable, NamedTuple
 
-import _dist_scenarios as sc
+import _dist_common as sc
 from _call_fault_runs import outcome
+from _registry import scenario
 
 EXAMPLE = "post_backward_census"  # the third-party example (examples/third_party_patch)
 POLICY = "reduce_scatter_unused_params_default_on"
@@ -312,6 +313,7 @@ def run_case(ctx: sc.Ctx, name: str, phases: list[str], strict: bool) -> dict[st
     return rec
 
 
+@scenario("call_faults")
 def sc_call_faults(ctx: sc.Ctx) -> None:
     import torch.distributed.fsdp  # noqa: F401 - the plugin applies here
 
@@ -323,10 +325,3 @@ def sc_call_faults(ctx: sc.Ctx) -> None:
     for name, phases, strict in ctx.args["plan"]:
         with ctx.case(f"{name}/strict" if strict else name, continue_on_error=True) as rec:
             rec.update(run_case(ctx, name, phases, strict))
-
-
-SCENARIOS = {"call_faults": sc_call_faults}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    sys.exit(sc.main())

@@ -1,8 +1,7 @@
 """clip_grad_norm_multi_mesh scenarios (PyTorch issue 180346): gradient clipping over several meshes.
 
-Run as a script (``run_ranks("clip_multi_mesh", script=CLIP_SCRIPT)``, 2 gloo ranks): it registers
-its scenario in ``_dist_scenarios.SCENARIOS`` and hands over to ``_dist_scenarios.main``. The test
-imports it for the model, the data and the one-process reference.
+Scenario ``clip_multi_mesh`` (``run_ranks("clip_multi_mesh")``, 2 gloo ranks; see ``_registry``). The
+test imports this module for the model, the data and the one-process reference.
 
 Model: ``dense = Linear(8, 8)`` and ``experts = Linear(8, 8, bias=False)`` (an expert weight), and
 ``extra``, a parameter outside every FSDP2 unit (a plain-tensor gradient, averaged over the ranks by
@@ -31,7 +30,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import clip_grad_norm_ as clip_grad_norm_bound_early
 
-import _dist_scenarios as sc
+import _dist_common as sc
+from _registry import scenario
 
 # bound before FSDP2 (and the plugin's patches) is imported: the fix must reach it too
 FSDP2_IMPORTED_AT_BINDING = "torch.distributed.fsdp._fully_shard" in sys.modules
@@ -156,6 +156,7 @@ def clip(ctx: sc.Ctx, model: Model, case: str) -> torch.Tensor:
     return total
 
 
+@scenario("clip_multi_mesh")
 def sc_clip_multi_mesh(ctx: sc.Ctx) -> None:
     """args["cases"]: each on the model of its layout (built once per layout, fresh gradients per
     case); a case that raises is recorded and the next one runs (both ranks raise alike)."""
@@ -216,10 +217,3 @@ def identity(ctx: sc.Ctx, model: Model) -> dict[str, bool]:
 def _fired() -> int:
     records = {p["name"]: p for p in sc.autopatch_status().get("patches", ())}
     return records.get("clip_grad_norm_multi_mesh", {}).get("fired", 0)
-
-
-SCENARIOS = {"clip_multi_mesh": sc_clip_multi_mesh}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    sys.exit(sc.main())

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-import _dist_scenarios as sc
+import _dist_common as sc
 import expected as ex
 from _dist_launcher import RankResult, RunResult
 

@@ -1,6 +1,7 @@
 """Start a 2-rank gloo CPU job made of fresh interpreter subprocesses.
 
-Every rank runs ``python _dist_scenarios.py <scenario> <result file> <json args>`` with
+Every rank runs ``python _rank.py <scenario> <result file> <json args>`` (the one rank entry point;
+it finds the scenario by name, see ``_registry``) with
 ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` set, ``CUDA_VISIBLE_DEVICES=""``,
 one OpenMP thread, and only the ``FSDP_AUTOPATCH_*`` variables the caller passes (those
 inherited from the pytest process are removed so a developer's shell cannot change a
@@ -9,7 +10,7 @@ each rank's whole process group: no rank and no grandchild survives a run.
 
 Starting, bounding and killing the ranks, the port retry and the output tails are the
 package's launcher (``fsdp_autopatch._launch``, shared with ``fsdp-autopatch demo``); this
-module adds what the tests need on top: the scenario script, its results and the summaries.
+module adds what the tests need on top: the rank entry point, its results and the summaries.
 
 A rank saves its measurements with ``torch.save`` into a per-run temporary directory;
 ``run_ranks`` loads them and returns them together with each rank's exit code and the
@@ -31,7 +32,7 @@ from typing import Any
 from fsdp_autopatch import _launch
 
 HERE = Path(__file__).resolve().parent
-SCENARIOS = HERE / "_dist_scenarios.py"
+RANK_ENTRY = HERE / "_rank.py"
 
 WORLD_SIZE = 2
 DEFAULT_TIMEOUT_S = 120.0  # outer timeout for the whole job (all ranks)
@@ -190,7 +191,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     world_size: int = WORLD_SIZE,
     timeout: float = DEFAULT_TIMEOUT_S,
-    script: Path | str = SCENARIOS,
+    script: Path | str = RANK_ENTRY,
     rank_env: dict[int, dict[str, str]] | None = None,
 ) -> RunResult:
     """Run ``scenario`` on ``world_size`` ranks; never hangs longer than ``timeout``.

@@ -1,9 +1,9 @@
 """grouped_module_reuse scenarios (PyTorch issue 183702): a grouped unit's module called again.
 
-Run as a script (``run_ranks("grouped_reuse", script=REUSE_SCRIPT)``, 2 gloo ranks): it registers
-its scenarios in ``_dist_scenarios.SCENARIOS`` and hands over to ``_dist_scenarios.main`` (30 s
-process-group timeout, the gloo-AVG workaround of torch 2.8). The test imports it for the model,
-the losses and the one-process reference.
+Scenario ``grouped_reuse`` (``run_ranks("grouped_reuse")``, 2 gloo ranks; ``_rank`` makes the 30 s
+process group and the gloo-AVG workaround of torch 2.8), and the one-process worlds
+``reuse_threaded`` and ``reuse_fake`` (``world_size=1``, ``gloo=False``). The test imports this
+module for the model, the losses and the one-process reference.
 
 The model is the issue's smallest input: ``layer = Linear(8, 8)``, ``norm = LayerNorm(8)``,
 ``head = Linear(8, 4, bias=False)``, ``mtp.proj = Linear(8, 8)``; units ``fully_shard(layer)``,
@@ -30,7 +30,6 @@ plugin's fired count after it.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
@@ -38,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import _dist_scenarios as sc
+import _dist_common as sc
+from _registry import scenario
 
 STEPS = 2
 LR = 1e-3
@@ -215,6 +215,7 @@ def run_case(ctx: sc.Ctx, case: str, counts: dict[str, int], rec: dict[str, Any]
     rec["counts"] = dict(counts)
 
 
+@scenario("grouped_reuse")
 def sc_grouped_reuse(ctx: sc.Ctx) -> None:
     """args["cases"]: the cases to run, in order, each on a fresh model; a case that raises is
     recorded and the next one runs (both ranks raise alike: nothing waits in a collective)."""
@@ -258,6 +259,7 @@ def train_thread_rank(lock: threading.Lock) -> dict[str, Any]:
     return out
 
 
+@scenario("reuse_threaded", gloo=False)
 def sc_reuse_threaded(ctx: sc.Ctx) -> None:
     """``mtp/1`` on 2 thread ranks (PyTorch's ``spawn_threads_and_init_comms``)."""
     import io
@@ -287,6 +289,7 @@ def sc_reuse_threaded(ctx: sc.Ctx) -> None:
         rec["fired_after"] = _fired()
 
 
+@scenario("reuse_fake", gloo=False)
 def sc_reuse_fake(ctx: sc.Ctx) -> None:
     """``mtp/1``, one step, rank 0 of the fake backend: with the patch, then with it reverted."""
     import torch.distributed as dist
@@ -313,16 +316,3 @@ def sc_reuse_fake(ctx: sc.Ctx) -> None:
 
         _patching.revert("grouped_module_reuse")  # units built from now on get torch's own hooks
         one_step(rec)
-
-
-SCENARIOS = {"grouped_reuse": sc_grouped_reuse}
-SINGLE_PROCESS = {"reuse_threaded": sc_reuse_threaded, "reuse_fake": sc_reuse_fake}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    if sys.argv[1] in SINGLE_PROCESS:
-        import _single_process_scenarios as sp
-
-        sp.SCENARIOS.update(SINGLE_PROCESS)
-        sys.exit(sp.main())
-    sys.exit(sc.main())

@@ -1,9 +1,8 @@
 """4-rank HSDP scenarios: a (2 replicate x 2 shard) mesh, run by ``_dist_launcher.run_ranks``.
 
-Run as a script (``run_ranks(name, world_size=4, script=HSDP_SCRIPT)``): it registers its
-scenarios in ``_dist_scenarios.SCENARIOS`` and hands over to ``_dist_scenarios.main``, which sets
-up gloo, saves each rank's record and leaves with ``os._exit``. The tests import it for the plans,
-the mesh layout and the single-process reference.
+Scenarios ``hsdp`` and ``hsdp_cross_rank`` (``run_ranks(name, world_size=4)``; ``_rank`` sets up
+gloo, saves each rank's record and leaves with ``os._exit``). The tests import this module for the
+plans, the mesh layout and the single-process reference.
 
 Mesh layout (``init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))``)::
 
@@ -20,12 +19,13 @@ All data plans are indexed by the *global* rank.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 import torch
 
-import _dist_scenarios as sc
+import _dist_common as sc
+from _cross_rank_check_scenarios import count_cross_rank_checks
+from _registry import scenario
 
 REPLICATE = 2
 SHARD = 2
@@ -217,11 +217,12 @@ CASES: dict[str, Callable[[sc.Ctx, Any], None]] = {
 }
 
 
+@scenario("hsdp")
 def sc_hsdp(ctx: sc.Ctx) -> None:
     """Run ``args["cases"]`` in order on one 2x2 mesh; record the mesh and the store checks."""
     import torch.distributed as dist
 
-    checks = sc.count_cross_rank_checks()
+    checks = count_cross_rank_checks()
     mesh = hsdp_mesh()
     ctx.data["mesh"] = {
         "shard_group": dist.get_process_group_ranks(mesh.get_group("shard")),
@@ -232,6 +233,7 @@ def sc_hsdp(ctx: sc.Ctx) -> None:
         ctx.data["store_checks"] = checks[0]
 
 
+@scenario("hsdp_cross_rank")
 def sc_hsdp_cross_rank(ctx: sc.Ctx) -> None:
     """One MLP on the 2x2 mesh, one step: the cross-rank check runs at the first forward."""
     from torch.distributed.fsdp import fully_shard
@@ -244,10 +246,3 @@ def sc_hsdp_cross_rank(ctx: sc.Ctx) -> None:
         fully_shard(model, mesh=mesh)
         sc._run_step(ctx, model, sc.plan_mlp, step=0, n_mb=1, accumulate=False)
         rec["grads"] = sc.grads_local(model)
-
-
-SCENARIOS = {"hsdp": sc_hsdp, "hsdp_cross_rank": sc_hsdp_cross_rank}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    sys.exit(sc.main())

@@ -1,8 +1,7 @@
 """2-rank scenario for keep_param_attributes: user attributes on parameters across ``fully_shard``.
 
-Run as a script (``run_ranks("keep_attrs", script=ATTRS_SCRIPT)``): it registers its scenario in
-``_dist_scenarios.SCENARIOS`` and hands over to ``_dist_scenarios.main`` (gloo, the CPU mesh, the
-gloo-AVG workaround of torch 2.8). The tests import it for the model, the marks and the rules.
+Scenario ``keep_attrs`` (``run_ranks("keep_attrs")``; ``_rank`` makes gloo, the CPU mesh and the
+gloo-AVG workaround of torch 2.8). The tests import this module for the model, the marks and the rules.
 
 Model ``AttrsNet``: ``inp = Linear(8, 8)`` (its own unit), ``proj = Linear(8, 8)`` (the root unit,
 no marks), ``norm = LayerNorm(8)`` and ``head = Linear(8, 4)`` (one grouped unit,
@@ -14,13 +13,13 @@ the marked names as the module's current parameter has them.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-import _dist_scenarios as sc
+import _dist_common as sc
+from _registry import scenario
 
 TENSOR = "<tensor>"  # a mark whose value is a tensor shaped like the parameter
 LIST_OF_TENSOR = "<list of tensor>"
@@ -182,6 +181,7 @@ def case_attrs(ctx: sc.Ctx, name: str, **shard_kwargs: Any) -> None:
         stages["changed"] = snapshot(model)
 
 
+@scenario("keep_attrs")
 def sc_keep_attrs(ctx: sc.Ctx) -> None:
     """``default``: the units as above; ``cpu_offload``: the same with ``CPUOffloadPolicy``."""
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -189,10 +189,3 @@ def sc_keep_attrs(ctx: sc.Ctx) -> None:
     case_attrs(ctx, "default")
     # pin_memory needs an accelerator: on this CPU-only build CPUOffloadPolicy() fails at fully_shard
     case_attrs(ctx, "cpu_offload", offload_policy=CPUOffloadPolicy(pin_memory=False))
-
-
-SCENARIOS = {"keep_attrs": sc_keep_attrs}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    sys.exit(sc.main())

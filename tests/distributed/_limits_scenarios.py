@@ -1,8 +1,8 @@
 """Scenarios for the documented limit: a whole FSDP unit that runs forward on some ranks only.
 
-Run like ``_dist_scenarios.py`` (``python _limits_scenarios.py <scenario> <result> <json>``);
-the launcher, the ``Ctx`` and the models come from there. See ``test_dist_limits.py`` and
-``docs/faq.md``.
+Scenarios ``tower_unit_skipped``, ``tower_dummy_forward`` and ``tower_in_parent_unit`` (see
+``_registry``); the ``Ctx`` and the models come from ``_dist_common``. See ``test_dist_limits.py``
+and ``docs/faq.md``.
 
 Rank 0's micro-batch has images, rank 1's is text-only. The vision tower is
 - ``tower_unit_skipped``: its own ``fully_shard`` unit, skipped by rank 1: the tower's forward
@@ -16,15 +16,12 @@ Rank 0's micro-batch has images, rank 1's is text-only. The vision tower is
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _dist_scenarios as sc  # noqa: E402
+import _dist_common as sc
+from _registry import scenario
 
 
 def plan_images_on_rank_0(rank: int, step: int, mb: int) -> dict[str, Any]:
@@ -52,6 +49,7 @@ def _train_one_step(ctx: sc.Ctx, model: torch.nn.Module, rec: dict[str, Any]) ->
     rec["grads"] = sc.grads_local(model)
 
 
+@scenario("tower_unit_skipped")
 def sc_tower_unit_skipped(ctx: sc.Ctx) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -62,6 +60,7 @@ def sc_tower_unit_skipped(ctx: sc.Ctx) -> None:
         _train_one_step(ctx, model, rec)
 
 
+@scenario("tower_dummy_forward")
 def sc_tower_dummy_forward(ctx: sc.Ctx) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -73,6 +72,7 @@ def sc_tower_dummy_forward(ctx: sc.Ctx) -> None:
         _train_one_step(ctx, model, rec)
 
 
+@scenario("tower_in_parent_unit")
 def sc_tower_in_parent_unit(ctx: sc.Ctx) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -81,13 +81,3 @@ def sc_tower_in_parent_unit(ctx: sc.Ctx) -> None:
     model.set_reduce_scatter_unused_params(True)
     with ctx.case("step") as rec:
         _train_one_step(ctx, model, rec)
-
-
-sc.SCENARIOS.update(
-    tower_unit_skipped=sc_tower_unit_skipped,
-    tower_dummy_forward=sc_tower_dummy_forward,
-    tower_in_parent_unit=sc_tower_in_parent_unit,
-)
-
-if __name__ == "__main__":
-    sc.main()

@@ -1,8 +1,7 @@
 """Scenarios on a simulated next torch (``tests/_next_torch``), many cases per launch.
 
-Run as a script (``run_ranks("next_torch", script=NEXT_TORCH_SCRIPT)``, 2 gloo ranks; 4 for the
-``mesh`` runs): it registers its scenario in ``_dist_scenarios.SCENARIOS`` and hands over to
-``_dist_scenarios.main``. ``args["cases"]``: ``"<patch>/<change>:<run>"``, in order. Each case is
+Scenario ``next_torch`` (``run_ranks("next_torch")``, 2 gloo ranks; 4 for the ``mesh`` runs; see
+``_registry``). ``args["cases"]``: ``"<patch>/<change>:<run>"``, in order. Each case is
 ``_next_torch.on_simulated_torch``: the plugin reverted, the change simulated, the plugin activated
 on it, the run, the registry read, the plugin reverted, the same run again, the change undone, the
 plugin activated again. Recorded per case: ``on``, ``off`` (each the run's record or its error),
@@ -38,12 +37,13 @@ if TESTS not in sys.path:
 import torch  # noqa: E402
 
 import _clip_grad_norm_multi_mesh_scenarios as cl  # noqa: E402
-import _dist_scenarios as sc  # noqa: E402
+import _dist_common as sc  # noqa: E402
 import _grouped_module_reuse_scenarios as rs  # noqa: E402
 import _keep_param_attributes_scenarios as ats  # noqa: E402
 import _next_torch as nt  # noqa: E402
 import _next_torch_changes as ch  # noqa: E402
 import _post_forward_mesh_cache_scenarios as mc  # noqa: E402
+from _registry import scenario  # noqa: E402
 
 CLIP_LAYOUTS = ("two_1d", "one_mesh")
 _meshes: dict[str, Any] = {}
@@ -166,15 +166,9 @@ RUNS: dict[str, Callable[[sc.Ctx], dict[str, Any]]] = {
 }
 
 
+@scenario("next_torch")
 def sc_next_torch(ctx: sc.Ctx) -> None:
     for case in ctx.args["cases"]:
         change, run = case.split(":")
         with ctx.case(case, continue_on_error=True) as rec:
             rec.update(nt.on_simulated_torch(ch.CHANGES[change], lambda run=run: RUNS[run](ctx), label=case))
-
-
-SCENARIOS = {"next_torch": sc_next_torch}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    sys.exit(sc.main())

@@ -1,4 +1,4 @@
-"""4-rank scenarios for post_forward_mesh_cache, run by ``_dist_launcher.run_ranks(..., script=...)``.
+"""4-rank scenario ``mesh_cache`` for post_forward_mesh_cache (``run_ranks("mesh_cache", world_size=4)``).
 
 An integer ``reshard_after_forward=2`` on a 4-rank shard mesh makes FSDP2 build a post-forward
 ``DeviceMesh`` of shape (2, 2): 2 process groups on each rank, per unit without the patch. Every
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-import _dist_scenarios as sc
+import _dist_common as sc
+from _registry import scenario
 
 WORLD = 4
 K = 2  # reshard_after_forward: 1 < K < shard size 4
@@ -237,6 +237,7 @@ def new_world(ctx: sc.Ctx):
     return init_device_mesh("cpu", (ctx.world_size,))
 
 
+@scenario("mesh_cache")
 def sc_mesh_cache(ctx: sc.Ctx) -> None:
     mesh = ctx.mesh
     first_model = sharded_and_trained(ctx, "units8", 8, mesh)
@@ -260,10 +261,3 @@ def sc_mesh_cache(ctx: sc.Ctx) -> None:
     finally:
         gc.enable()
     ctx.save()
-
-
-SCENARIOS = {"mesh_cache": sc_mesh_cache}
-sc.SCENARIOS.update(SCENARIOS)
-
-if __name__ == "__main__":
-    sys.exit(sc.main())

@@ -1,9 +1,9 @@
 """FSDP2 worlds that live in one process: the fake backend and threaded process groups.
 
-Run by ``_dist_launcher.run_ranks(name, world_size=1, script=...)`` (a fresh interpreter, so the
-``.pth`` bootstrap installs the plugin as in a user's process, and the outer timeout applies);
-the ``Ctx`` and the models come from ``_dist_scenarios`` and ``_finalization_scenarios``. No gloo
-group is made here: each scenario makes the world it is about. See ``test_dist_single_process.py``.
+Run by ``_dist_launcher.run_ranks(name, world_size=1)`` (a fresh interpreter, so the ``.pth``
+bootstrap installs the plugin as in a user's process, and the outer timeout applies); the ``Ctx``
+and the models come from ``_dist_common`` and ``_restore_unused_param_grads_scenarios``. No gloo
+group is made here (``gloo=False``): each scenario makes the world it is about. See ``test_dist_single_process.py``.
 
 - ``fake``: ``init_process_group("fake", store=FakeStore(), rank=0, world_size=8)``, an 8-way CPU
   mesh, two ``Linear`` units plus the root, one forward and backward (issue 16, input 1).
@@ -17,22 +17,17 @@ group is made here: each scenario makes the world it is about. See ``test_dist_s
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _dist_scenarios as sc  # noqa: E402
-import _finalization_scenarios as fin  # noqa: E402
+import _dist_common as sc
+import _restore_unused_param_grads_scenarios as fin
+from _registry import scenario
 
 FAKE_WORLD = 8
 THREADS = 2
@@ -41,6 +36,7 @@ THREADS = 2
 STORE_TIMEOUT_S = 15
 
 
+@scenario("fake", gloo=False)
 def sc_fake(ctx: sc.Ctx) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -161,6 +157,7 @@ def _forget_checked_groups() -> None:
     _consistency._skipped.clear()
 
 
+@scenario("threaded", gloo=False)
 def sc_threaded(ctx: sc.Ctx) -> None:
     import io
     import unittest
@@ -182,27 +179,3 @@ def sc_threaded(ctx: sc.Ctx) -> None:
             rec["report"] = stream.getvalue()[-4000:]
             rec["ranks"] = results[case]
             rec["status"] = sc.autopatch_status()
-
-
-SCENARIOS = {"fake": sc_fake, "threaded": sc_threaded}
-
-
-def main() -> None:
-    name, result_path, args_json = sys.argv[1], sys.argv[2], sys.argv[3]
-    ctx = sc.Ctx(result_path, json.loads(args_json))
-    code = 0
-    try:
-        SCENARIOS[name](ctx)
-    except BaseException as e:  # noqa: BLE001 - record everything, then leave
-        ctx.data["error"] = sc._error_record(e)
-        code = 3
-    try:
-        ctx.save()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # no teardown: a thread rank may still wait in a collective
-
-
-if __name__ == "__main__":
-    main()

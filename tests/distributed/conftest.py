@@ -1,7 +1,7 @@
 """2-rank gloo CPU tests: each test module spawns fresh rank processes (see _dist_launcher).
 
-The helper modules of this folder (``_dist_launcher``, ``_dist_scenarios``,
-``_dist_checks``) are imported by name, so this folder goes on ``sys.path`` whatever
+The helper modules of this folder (``_dist_launcher``, ``_dist_common``, ``_registry``,
+``_dist_checks``, the ``_*_scenarios`` modules) are imported by name, so this folder goes on ``sys.path`` whatever
 pytest's import mode. Every test here gets the ``distributed`` marker (declared in
 pyproject.toml): deselect the folder with ``-m "not distributed"``.
 """

@@ -10,8 +10,6 @@ accumulates the bf16 micro-batch gradients exactly.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import _bf16_accumulation_scenarios as ac
@@ -20,7 +18,6 @@ from fsdp_autopatch import _doctor
 
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = Path(ac.__file__).resolve()
 MICRO_BATCHES = 64
 EXACT = 1e-6  # fp32 accumulation and reduction of the bf16 gradients: measured 9.1e-9
 BF16_COST = 2.0  # bf16 accumulation's error over fp32 accumulation's: measured 3.0 at 64
@@ -28,7 +25,7 @@ BF16_COST = 2.0  # bf16 accumulation's error over fp32 accumulation's: measured 
 
 @pytest.fixture(scope="module")
 def run():
-    result = run_ranks("bf16_accumulation", args={"micro_batches": MICRO_BATCHES}, script=SCRIPT, timeout=150.0)
+    result = run_ranks("bf16_accumulation", args={"micro_batches": MICRO_BATCHES}, timeout=150.0)
     assert not result.timed_out, result.describe()
     result.assert_clean()
     return result

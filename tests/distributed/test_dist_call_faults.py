@@ -40,7 +40,6 @@ from _dist_launcher import RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = Path(cf.__file__).resolve()
 LAUNCH_TIMEOUT_S = 120.0
 PG_TIMEOUT_S = "15"  # a rank left alone in a collective fails fast
 PHASES = ["off", "healthy", "fault", "later"]
@@ -75,7 +74,7 @@ def job_env(tmp_path_factory) -> dict[str, str]:
 
 def launch(plan: list, env: dict[str, str], world_size: int = 2) -> RunResult:
     args = {"plan": plan}
-    return run_ranks("call_faults", args=args, env=env, world_size=world_size, script=SCRIPT, timeout=LAUNCH_TIMEOUT_S)
+    return run_ranks("call_faults", args=args, env=env, world_size=world_size, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 
 PATCH = "clip_grad_norm_multi_mesh"
 BUG = "h"
-SCRIPT = Path(cl.__file__).resolve()
 LAUNCH_TIMEOUT_S = 150.0
 MESH_RE = re.compile(r"All operands in aten\.stack\.default must have the same mesh")
 # torch 2.9 words the same refusal as a failed propagation whose operands sit on different meshes
@@ -57,13 +55,13 @@ STACK_FAILS = tuple(c for c in MULTI if c.split("/")[1] in ("clip", "split") and
 @pytest.fixture(scope="module")
 def unpatched():
     env = {ck.ENV[PATCH]: "0"}
-    return run_ranks("clip_multi_mesh", args={"cases": list(CASES)}, env=env, script=SCRIPT, timeout=LAUNCH_TIMEOUT_S)
+    return run_ranks("clip_multi_mesh", args={"cases": list(CASES)}, env=env, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def patched():
     args = {"cases": list(CASES), "identity": True}
-    return run_ranks("clip_multi_mesh", args=args, script=SCRIPT, timeout=LAUNCH_TIMEOUT_S)
+    return run_ranks("clip_multi_mesh", args=args, timeout=LAUNCH_TIMEOUT_S)
 
 
 def _records(run, case: str) -> list[dict]:

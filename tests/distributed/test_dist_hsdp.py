@@ -20,13 +20,12 @@ import pytest
 import torch
 
 import _dist_checks as ck
-import _dist_scenarios as sc
+import _dist_common as sc
 import _hsdp_scenarios as hs
-from _dist_launcher import HERE, RunResult, run_ranks
+from _dist_launcher import RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
-SCRIPT = HERE / "_hsdp_scenarios.py"
 LAUNCH_TIMEOUT_S = 240.0  # 4 ranks on a busy 2-core machine: torch import x 4 is most of it
 SHORT_PG_TIMEOUT = "15"  # launches where ranks are expected to lose their peers
 
@@ -49,7 +48,7 @@ def E(i: int) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def patched() -> RunResult:
-    return run_ranks("hsdp", args={"cases": ALL_CASES}, world_size=hs.WORLD, timeout=LAUNCH_TIMEOUT_S, script=SCRIPT)
+    return run_ranks("hsdp", args={"cases": ALL_CASES}, world_size=hs.WORLD, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def unpatched() -> RunResult:
     env = {ck.ENV[name]: "0" for name in OFF}
     env["FSDP_DIST_PG_TIMEOUT_S"] = SHORT_PG_TIMEOUT
     return run_ranks(
-        "hsdp", args={"cases": OFF_CASES}, env=env, world_size=hs.WORLD, timeout=LAUNCH_TIMEOUT_S, script=SCRIPT
+        "hsdp", args={"cases": OFF_CASES}, env=env, world_size=hs.WORLD, timeout=LAUNCH_TIMEOUT_S
     )
 
 
@@ -69,7 +68,6 @@ def rank3_differs() -> RunResult:
         rank_env={3: {ck.ENV["restore_unused_param_grads"]: "0"}},
         world_size=hs.WORLD,
         timeout=LAUNCH_TIMEOUT_S,
-        script=SCRIPT,
     )
 
 

@@ -22,13 +22,12 @@ import torch
 
 import _dist_checks as ck
 import _keep_param_attributes_scenarios as at
-from _dist_launcher import HERE, RunResult, run_ranks
+from _dist_launcher import RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(420)
 
 PATCH = "keep_param_attributes"
 BUG = "g"
-SCRIPT = HERE / "_keep_param_attributes_scenarios.py"
 LAUNCH_TIMEOUT_S = 180.0
 CASES = ("default", "cpu_offload")
 STAGES = ("fully_shard", "apply", "forward", "backward", "step0", "step1", "unshard", "reshard")
@@ -42,12 +41,12 @@ STRICT_ERROR = "AttributeError: 'DTensor' object has no attribute 'no_weight_dec
 
 @pytest.fixture(scope="module")
 def unpatched() -> RunResult:
-    return run_ranks("keep_attrs", env={ck.ENV[PATCH]: "0"}, timeout=LAUNCH_TIMEOUT_S, script=SCRIPT)
+    return run_ranks("keep_attrs", env={ck.ENV[PATCH]: "0"}, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def patched() -> RunResult:
-    return run_ranks("keep_attrs", timeout=LAUNCH_TIMEOUT_S, script=SCRIPT)
+    return run_ranks("keep_attrs", timeout=LAUNCH_TIMEOUT_S)
 
 
 def case_records(run: RunResult, case: str) -> list[dict]:

@@ -9,18 +9,15 @@ gradients with the plugin active.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import _dist_checks as ck
-import _dist_scenarios as sc
+import _dist_common as sc
 from _dist_launcher import run_ranks
 from _limits_scenarios import plan_images_on_rank_0
 
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = Path(__file__).resolve().parent / "_limits_scenarios.py"
 PG_TIMEOUT_S = 10  # the skipped unit's all-gather waits this long, then the job must stop
 TOWER = ("tower.0.weight", "tower.0.bias", "tower.2.weight", "tower.2.bias")
 
@@ -31,7 +28,7 @@ def _reference(run) -> dict:
 
 
 def test_unit_skipped_on_one_rank_stops_the_job_instead_of_hanging():
-    run = run_ranks("tower_unit_skipped", script=SCRIPT, timeout=120,
+    run = run_ranks("tower_unit_skipped", timeout=120,
                     env={"FSDP_DIST_PG_TIMEOUT_S": str(PG_TIMEOUT_S)})
     assert not run.timed_out, "the job outlived the process-group timeout\n" + run.describe()
     errors = {r.rank: (r.cases.get("step") or {}).get("error") for r in run.ranks}
@@ -44,7 +41,7 @@ def test_unit_skipped_on_one_rank_stops_the_job_instead_of_hanging():
 
 @pytest.mark.parametrize("scenario", ["tower_dummy_forward", "tower_in_parent_unit"])
 def test_restructured_model_matches_the_reference(scenario):
-    run = run_ranks(scenario, script=SCRIPT)
+    run = run_ranks(scenario)
     run.assert_clean()
     grads = ck.case_grads(run, "step")
     ref = _reference(run)

@@ -25,12 +25,12 @@ import torch
 
 import _clip_grad_norm_multi_mesh_scenarios as cl
 import _dist_checks as ck
-import _dist_scenarios as sc
+import _dist_common as sc
 import _grouped_module_reuse_scenarios as rs
 import _keep_param_attributes_scenarios as ats
 import _next_torch_expected as nx
 import _post_forward_mesh_cache_scenarios as mc
-from _dist_launcher import HERE, RunResult, run_ranks
+from _dist_launcher import RunResult, run_ranks
 
 RELEASE = nx.release_group(torch.__version__)
 pytestmark = [
@@ -38,7 +38,6 @@ pytestmark = [
     pytest.mark.skipif(RELEASE is None, reason=f"the table is for torch 2.13 - 2.15, not {torch.__version__}"),
 ]
 
-SCRIPT = HERE / "_next_torch_scenarios.py"
 # Every case re-activates the plugin in the same process; the cross-rank check compares once per
 # process group through store keys it would then reuse. It is a policy, not a patch under test.
 ENV = {"FSDP_AUTOPATCH_CROSS_RANK_CHECK": "0"}
@@ -79,12 +78,12 @@ CLIP_GRAD_ATOL, CLIP_TOTAL_RTOL = 1e-6, 1e-5  # as test_dist_clip_grad_norm_mult
 
 @pytest.fixture(scope="module")
 def launch2() -> RunResult:
-    return run_ranks("next_torch", args={"cases": list(CASES)}, env=ENV, script=SCRIPT, timeout=150.0)
+    return run_ranks("next_torch", args={"cases": list(CASES)}, env=ENV, timeout=150.0)
 
 
 @pytest.fixture(scope="module")
 def launch4() -> RunResult:
-    return run_ranks("next_torch", args={"cases": list(MESH_CASES)}, env=ENV, script=SCRIPT,
+    return run_ranks("next_torch", args={"cases": list(MESH_CASES)}, env=ENV,
                      world_size=mc.WORLD, timeout=150.0)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import _dist_checks as ck
-import _dist_scenarios as sc
+import _dist_common as sc
 from _dist_launcher import run_ranks
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,12 +14,11 @@ import torch
 
 import _dist_checks as ck
 import _post_forward_mesh_cache_scenarios as mc
-from _dist_launcher import HERE, RunResult, run_ranks
+from _dist_launcher import RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
 PATCH = "post_forward_mesh_cache"
-SCRIPT = HERE / "_post_forward_mesh_cache_scenarios.py"
 LAUNCH_TIMEOUT_S = 240.0  # 4 ranks on a busy 2-core machine: torch import x 4 is most of it
 TRAINED = ("units8", "units16", "uneven_gc")
 # process groups each rank gains per case: torch alone (2 per unit and mesh) / with the patch
@@ -37,13 +36,12 @@ ERRORS = {
 
 @pytest.fixture(scope="module")
 def unpatched() -> RunResult:
-    return run_ranks("mesh_cache", env={ck.ENV[PATCH]: "0"}, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S,
-                     script=SCRIPT)
+    return run_ranks("mesh_cache", env={ck.ENV[PATCH]: "0"}, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def patched() -> RunResult:
-    return run_ranks("mesh_cache", world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S, script=SCRIPT)
+    return run_ranks("mesh_cache", world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
 
 
 def records(run: RunResult, case: str) -> list[dict]:

@@ -1,7 +1,7 @@
 """restore_unused_param_grads on every way a backward is finalized (issue 16, input 3).
 
 One 2-rank gloo job runs every path this torch offers, each on issue 16's unit (``l`` + ``spare``,
-fill on) and on a two-unit model (see ``_finalization_scenarios``):
+fill on) and on a two-unit model (see ``_restore_unused_param_grads_scenarios``):
 - ``automatic``: ``loss.backward()`` (the autograd final callback); ``automatic_not_last``: the
   same with ``set_is_last_backward(False)`` in step 0 (gradient sync on);
 - ``manual_sync`` / ``manual_async`` / ``manual_no_sync_window`` (torch 2.15's
@@ -17,18 +17,15 @@ backward no usage probe is left and the patch issued exactly one flag all-reduce
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import _dist_checks as ck
-import _dist_scenarios as sc
-import _finalization_scenarios as fin
+import _dist_common as sc
+import _restore_unused_param_grads_scenarios as fin
 from _dist_launcher import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
-SCRIPT = Path(__file__).resolve().parent / "_finalization_scenarios.py"
 PG_TIMEOUT_S = "20"
 OUTER_TIMEOUT_S = 180.0
 PARAMS = {"one_unit": 4, "two_units": 6}  # FSDPParams in units with the fill on (one domain)
@@ -41,7 +38,7 @@ CASES = [f"{path}/{kind}" for path in PATHS for kind in fin.MODELS] + ["pipelini
 @pytest.fixture(scope="module")
 def run():
     result = run_ranks(
-        "finalization", script=SCRIPT, env={"FSDP_DIST_PG_TIMEOUT_S": PG_TIMEOUT_S}, timeout=OUTER_TIMEOUT_S
+        "finalization", env={"FSDP_DIST_PG_TIMEOUT_S": PG_TIMEOUT_S}, timeout=OUTER_TIMEOUT_S
     )
     result.assert_clean()
     ck.assert_registry(result, {"restore_unused_param_grads": "applied"})

@@ -10,21 +10,19 @@ a fresh interpreter (``_single_process_scenarios``) under the launcher's outer t
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import _dist_checks as ck
-import _dist_scenarios as sc
-import _finalization_scenarios as fin
+import _dist_common as sc
+import _restore_unused_param_grads_scenarios as fin
 import _single_process_scenarios as sp
 from _dist_launcher import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
-SCRIPT = Path(__file__).resolve().parent / "_single_process_scenarios.py"
 OUTER_TIMEOUT_S = 120.0
 THREADED_CASES = ("multi_threaded_test_case", "spawn_threads_and_init_comms")
 FAKE_RS_WRITES = ck.ex.fake_backend_reduce_scatter_writes_output(ck.RELEASE)
@@ -36,7 +34,7 @@ FAKE_RS_WRITES_NOTHING = (
 
 
 def _run(name: str, args: dict | None = None):
-    result = run_ranks(name, world_size=1, args=args or {}, script=SCRIPT, timeout=OUTER_TIMEOUT_S)
+    result = run_ranks(name, world_size=1, args=args or {}, timeout=OUTER_TIMEOUT_S)
     result.assert_clean()
     return result[0]
 
