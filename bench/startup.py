@@ -41,6 +41,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import _wheel  # noqa: E402  (scripts/_wheel.py: the wheel builder the tests and scripts share)
+
 _DROP = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV", "PYTHONSAFEPATH",
          "PYTHONNOUSERSITE", "PYTHONVERBOSE", "PYTHONDEVMODE", "PYTHONWARNINGS"}
 
@@ -63,12 +66,7 @@ def sh(argv, **kw) -> subprocess.CompletedProcess:
 
 
 def build_wheel(out: Path) -> Path:
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, ROOT])
-    (wheel,) = out.glob("fsdp_autopatch-*.whl")
-    return wheel
+    return _wheel.build_wheel(out, timeout=1800, env=ENV, fresh=True)
 
 
 def default_torch_spec() -> str:

@@ -13,9 +13,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 from typing import Any
+
+import _wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_PROGRAM = ROOT / "scripts" / "_gpu_check_rank.py"
@@ -50,22 +51,14 @@ def run(cmd: list, timeout: float, env: dict | None = None, cwd=None) -> subproc
 
 
 def build_wheel(out: Path, timeout: float) -> tuple[Path, str]:
-    """The wheel of this checkout, as a release builds it (``python -m build``), else ``pip wheel``."""
-    out.mkdir(parents=True, exist_ok=True)
-    attempts = []
-    if importlib.util.find_spec("build") is not None:
-        attempts.append([sys.executable, "-m", "build", "--wheel", "--outdir", out, ROOT])
-    attempts.append([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--wheel-dir", out, ROOT])
-    errors = []
-    for cmd in attempts:
-        started = time.monotonic()
-        result = run(cmd, timeout)
-        found = sorted(out.glob("fsdp_autopatch-*.whl"))
-        if result.returncode == 0 and found:
-            return found[-1], f"{' '.join(map(str, cmd[1:4]))} ({time.monotonic() - started:.1f} s)"
-        errors.append(f"{' '.join(map(str, cmd[:4]))}: exit {result.returncode}\n{result.stdout[-1500:]}")
-    raise SetupFailed("could not build the wheel here (no network for the build backend?); build it where you can "
-                      "(python3 scripts/gpu_check.py --build-wheel DIR) and pass --wheel\n" + "\n".join(errors))
+    """The wheel of this checkout, as a release builds it (``python -m build``), else ``pip wheel``
+    (``scripts/_wheel.py``); with how it was built."""
+    try:
+        built = _wheel.build(out, timeout=timeout)
+    except _wheel.WheelBuildFailed as error:
+        raise SetupFailed("could not build the wheel here (no network for the build backend?); build it where you can "
+                          f"(python3 scripts/gpu_check.py --build-wheel DIR) and pass --wheel\n{error}") from None
+    return built.wheel, built.how
 
 
 def _site_dirs() -> list[str]:

@@ -39,6 +39,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import _wheel
 from _matrix_report import EXPECTED  # tests/expected.py: the catalogue's names, in order
 from _pythons import PYTHONS, python_version, resolve_python
 
@@ -92,11 +93,10 @@ def tail(result: subprocess.CompletedProcess, lines: int = 15) -> str:
 
 
 def build_wheel(dest: Path) -> Path:
-    result = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dest, ROOT], timeout=600)
-    wheels = sorted(dest.glob("fsdp_autopatch-*.whl"))
-    if result.returncode != 0 or not wheels:
-        sys.exit(f"wheel build failed:\n{tail(result)}")
-    return wheels[-1]
+    try:
+        return _wheel.build_wheel(dest, timeout=600, env=child_env())
+    except _wheel.WheelBuildFailed as error:
+        sys.exit(f"wheel build failed:\n{error}")
 
 
 def requires_python() -> str:

@@ -58,6 +58,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import _matrix_verdict as verdict
+import _wheel
 from _matrix_report import EXPECTED, docs_refusal, log, markdown, python_markdown, report_only, update_docs
 from _pythons import python_version, resolve_python
 
@@ -114,13 +115,10 @@ def tree_size_mb(path: Path) -> int:
 
 def build_wheel(dest: Path, log_file: Path) -> Path:
     log("building the wheel")
-    code = run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dest, ROOT], log_file=log_file, timeout=600
-    )
-    wheels = sorted(dest.glob("fsdp_autopatch-*.whl"))
-    if code != 0 or not wheels:
+    try:
+        return _wheel.build_wheel(dest, timeout=600, log_file=log_file)
+    except _wheel.WheelBuildFailed:
         sys.exit(f"wheel build failed, see {log_file}")
-    return wheels[-1]
 
 
 def pip_env() -> dict[str, str]:
