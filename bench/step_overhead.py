@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 N_BLOCKS = 8
 N_EXPERTS = 4
@@ -51,12 +50,6 @@ _COLLECTIVES = (  # ProcessGroup methods that torch.distributed's collectives en
     "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "gather", "scatter", "alltoall",
     "alltoall_base", "all_to_all_single", "barrier",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- inside a rank ------------------------------------------------------------------------------
@@ -167,6 +160,27 @@ def _fired_counts() -> dict[str, int]:
     return {record.name: getattr(record, "fired", 0) for record in fsdp_autopatch.status().patches}
 
 
+# The wrappers whose cost is estimated: name -> (patch, the end of its target's path). Chosen from the
+# declarations (``PATCH.targets``) by what they wrap, so a renamed function of ours changes nothing here.
+_TIMED = {
+    "accumulated_grad_guard": ("accumulated_grad_guard", ":FSDPParam.to_accumulated_grad_if_needed"),
+    "uniform_reduce_dtype": ("uniform_reduce_dtype", ":foreach_reduce"),
+    "restore_unused_param_grads.post_backward": ("restore_unused_param_grads", ":FSDPParamGroup.post_backward"),
+    "restore_unused_param_grads.final_callback": (
+        "restore_unused_param_grads", ":FSDPState._root_post_backward_final_callback"),
+}
+
+
+def _target(patch_name: str, path_end: str):
+    """``(PATCH, the Wrap target)`` of ``patch_name`` whose path ends with ``path_end``."""
+    from fsdp_autopatch._spec import Wrap
+    from fsdp_autopatch.patches import load_patch
+
+    patch = load_patch(patch_name)
+    (target,) = [t for t in patch.targets if isinstance(t, Wrap) and t.path.endswith(path_end)]
+    return patch, target
+
+
 def _wrapper_cost(model, one_step, case: str) -> dict:
     """A low-noise estimate of what the patches add to a step (patched variant active).
 
@@ -182,16 +196,9 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
     import torch
 
     from fsdp_autopatch import _compat, _patching
-    from fsdp_autopatch.patches import accumulated_grad_guard as guard
-    from fsdp_autopatch.patches import restore_unused_param_grads as restore
-    from fsdp_autopatch.patches import uniform_reduce_dtype as uniform
 
-    wrappers = {
-        "accumulated_grad_guard": guard._skip_never_unsharded,
-        "uniform_reduce_dtype": uniform._uniform_dtype_reduce,
-        "restore_unused_param_grads.post_backward": restore._probe_usage,
-        "restore_unused_param_grads.final_callback": restore._restore_after_callback,
-    }
+    targets = {name: _target(*where) for name, where in _TIMED.items()}
+    wrappers = {name: target.wrapper for name, (_, target) in targets.items()}
     by_code = {func.__code__: name for name, func in wrappers.items()}
     calls = dict.fromkeys(wrappers, 0)
 
@@ -229,15 +236,15 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
         return None
 
     # installed as the patches install them: isolated at call time, arguments bound by name
-    installed = {
-        "accumulated_grad_guard": (guard.PATCH, 0, type(fsdp_param), noop),
-        "uniform_reduce_dtype": (uniform.PATCH, 0, None, noop_reduce),
-        "restore_unused_param_grads.post_backward": (restore.PATCH, 0, type(group), noop),
-        "restore_unused_param_grads.final_callback": (restore.PATCH, 1, type(root), noop),
+    owners = {
+        "accumulated_grad_guard": (type(fsdp_param), noop),
+        "uniform_reduce_dtype": (None, noop_reduce),
+        "restore_unused_param_grads.post_backward": (type(group), noop),
+        "restore_unused_param_grads.final_callback": (type(root), noop),
     }
     method_wrapper = {
-        name: _patching.guarded(patch.name, patch.targets[index], owner, original)
-        for name, (patch, index, owner, original) in installed.items()
+        name: _patching.guarded(targets[name][0].name, targets[name][1], owner, original)
+        for name, (owner, original) in owners.items()
     }
     cost = {
         "accumulated_grad_guard": per_call(
@@ -255,9 +262,12 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
             lambda: method_wrapper["restore_unused_param_grads.post_backward"].__get__(group, type(group))()
         ) - per_call(lambda: noop.__get__(group, type(group))())
     else:  # with it on, it builds this group's usage probe (removed again here)
+        torch_attributes = set(vars(group))
+
         def probe_once():
             method_wrapper["restore_unused_param_grads.post_backward"].__get__(group, type(group))()
-            vars(group).pop(restore._PROBE, None)
+            for name in set(vars(group)) - torch_attributes:  # the probe it attached
+                del vars(group)[name]
 
         reduce_grads = group.reduce_grads
         group.reduce_grads = True
@@ -407,22 +417,23 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
 
 
 def launch(case: str, mode: str, blocks: int, steps: int, env_extra: dict[str, str], timeout: float) -> dict:
+    """Both ranks of one run through the package's launcher (``fsdp_autopatch._launch``: a fresh
+    port, retried if taken; no inherited ``FSDP_AUTOPATCH_*``; bounded, every rank killed after)."""
+    from fsdp_autopatch import _launch
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_")}
-        env.update(env_extra, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-                   CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         argv = [sys.executable, os.path.abspath(__file__), "--worker", case, mode, str(blocks), str(steps), out]
-        procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}) for r in range(2)]
-        try:
-            for proc in procs:
-                if proc.wait(timeout=timeout) != 0:
-                    raise RuntimeError(f"a rank failed (case {case}, mode {mode})")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+
+        def attempt(port: int) -> _launch.Launch:
+            return _launch.launch(lambda rank: argv, world_size=2, port=port, logs=Path(tmp), timeout_s=timeout,
+                                  env=env_extra, fail_grace_s=30, merge_stderr=True, tail_lines=20)
+
+        job = _launch.retry_on_taken_port(attempt, lambda job: any(_launch.port_taken(r.stdout) for r in job.ranks))
+        if job.timed_out or any(r.returncode != 0 for r in job.ranks):
+            tails = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.stdout}" for r in job.ranks)
+            why = f"timed out after {timeout:g} s" if job.timed_out else "a rank failed"
+            raise RuntimeError(f"{why} (case {case}, mode {mode})\n{tails}")
         with open(out) as handle:
             return json.load(handle)
 
