@@ -113,7 +113,9 @@ def test_patched_multi_mesh_equals_one_mesh_and_reference(patched, case):
             assert float((record["grads"][name] - want).abs().max()) <= GRAD_TOLERANCE, (case, name)
     twin = _records(patched, _one_mesh_twin(case))[0]
     if twin["error"] is None:  # the one-mesh model (it fails in torch itself with a plain gradient)
-        assert got["total"] == twin["total"], (got["total"], twin["total"])
+        # Equal on the machines of 0.2.0; one float32 ulp apart on a CPU whose vectorised sum
+        # groups the per-mesh norms differently (49.0934486 vs 49.0934448, 2026-12-02).
+        assert abs(got["total"] - twin["total"]) <= TOTAL_RTOL * max(1.0, twin["total"]), (got["total"], twin["total"])
         for name, grad in twin["grads"].items():
             assert float((got["grads"][name] - grad).abs().max()) <= GRAD_TOLERANCE, (case, name)
     ck.observe_patched(BUG, "total norm and clipped gradients equal the one-mesh model and the reference")
