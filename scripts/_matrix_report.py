@@ -91,7 +91,15 @@ def bug_cell(result: dict, bug: str) -> str:
     return one_line(f"off: {off}{mark}") + "<br>" + one_line(f"on: {on}")
 
 
+def recorded_patches(results: list[dict]) -> list[str]:
+    """The patches of tests/expected.py that some release of this run recorded (a run made before
+    a patch existed renders as it was; one whose registry recorded nothing shows every column)."""
+    seen = {name for r in results for name in r.get("registry", {}).get("patches", {})}
+    return [p for p in EXPECTED.PATCHES if p in seen] if seen else list(EXPECTED.PATCHES)
+
+
 def markdown(results: list[dict], meta: dict) -> str:
+    patches = recorded_patches(results)
     lines = [
         f"Measured {meta['date']} on {meta['machine']} by `python3 scripts/matrix.py` "
         f"(fsdp-autopatch {meta['plugin']}, wheel built from commit `{meta['commit']}`); "
@@ -99,15 +107,15 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "**Registry** (status of each patch after `import torch.distributed.fsdp`, defaults on):",
         "",
-        "| torch | Python | run | " + " | ".join(EXPECTED.PATCHES) + " | tests (passed / failed / skipped) |",
-        "|---|---|---|" + "---|" * len(EXPECTED.PATCHES) + "---|",
+        "| torch | Python | run | " + " | ".join(patches) + " | tests (passed / failed / skipped) |",
+        "|---|---|---|" + "---|" * len(patches) + "---|",
     ]
     for r in results:
         tests = r.get("tests")
         t = f"{tests['passed']} / {tests['failed']} / {tests['skipped']}" if tests else "—"
         lines.append(
             f"| {torch_cell(r)} | {row_python(r)} | {r['mode']} | "
-            + " | ".join(status_cell(r, p) for p in EXPECTED.PATCHES)
+            + " | ".join(status_cell(r, p) for p in patches)
             + f" | {t} |"
         )
     first = " (on a first measurement: as the patch's own status claims)" if any(
@@ -119,8 +127,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         "equal a single-process reference, `grad is None` and weights unchanged where they must be)):",
         "",
     ]
-    for patches in _columns_of(EXPECTED.PATCHES, BUG_COLUMNS_PER_TABLE):
-        lines += bug_table(results, patches)
+    for columns in _columns_of(patches, BUG_COLUMNS_PER_TABLE):
+        lines += bug_table(results, columns)
     for r in results:
         for text in r.get("tests", {}).get("bugs", {}).get("note", {}).get("on", []):
             lines += ["", f"Note on torch {r.get('registry', {}).get('torch', r['release'])}: {one_line(text)}"]

@@ -39,8 +39,20 @@ META = {"date": "2026-12-22", "machine": "x86_64 Linux, 2 CPUs, no GPU", "plugin
         "python": "3.11.7", "wall_minutes": 5.0, "max_venv_mb": 900}
 
 
+def _recorded_later(name: str) -> dict:
+    """A record for a patch added after the probe was recorded: what its structural check gives on
+    the 2.13 wheel (every entry applies there, tests/expected.py), worded as the recording words it."""
+    return {
+        "name": name, "status": "applied", "decided_by": "structural check", "variable": None, "value": None,
+        "reason": "torch 2.16.0: (added after this recording) (outside the measured releases >=2.6, <2.16) -> patched",
+        "env": f"FSDP_AUTOPATCH_{name.upper()}_ENABLED", "fired": 0, "provider": None,
+    }
+
+
 def probe(torch_version: str = "2.16.0", **statuses: str) -> dict:
     data = copy.deepcopy(PROBE_2_16)
+    recorded = {record["name"] for record in data["report"]["patches"]}
+    data["report"]["patches"] += [_recorded_later(name) for name in ex.PATCHES if name not in recorded]
     data["torch"] = data["report"]["torch"] = torch_version
     for record in data["report"]["patches"]:
         record["status"] = statuses.get(record["name"], record["status"])
