@@ -34,6 +34,7 @@ PATCHES = (
     "grouped_module_reuse",
     "keep_param_attributes",
     "clip_grad_norm_multi_mesh",
+    "fsdp_module_abc_layout",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -45,6 +46,7 @@ BUG_OF = {
     "grouped_module_reuse": "f",
     "keep_param_attributes": "g",
     "clip_grad_norm_multi_mesh": "h",
+    "fsdp_module_abc_layout": "i",
 }
 
 OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
@@ -105,6 +107,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "keep_param_attributes": "applied",
         # clip_grad's _get_total_norm stacks per-tensor norms without regard to DeviceMesh (2.8 - 2.15)
         "clip_grad_norm_multi_mesh": "applied",
+        # every FSDP2 release builds type("FSDP<Name>", (FSDPModule, cls)) and caches it in cls_to_fsdp_cls
+        "fsdp_module_abc_layout": "applied",
     }
 
 
@@ -138,6 +142,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (h) measured on every release 2.8 - 2.15 (2 gloo ranks, ("dp",) + ("edp",) meshes: the
         # stack refuses two meshes; 2.9 words it as a failed sharding propagation)
         "h": REPRODUCES,
+        # (i) measured on 2.13 and 2.15 (TypeError at the first fully_shard of an ABC-first class);
+        # read, not run, on 2.6 - 2.12: the same class swap (CPython's layout rule, any Python)
+        "i": REPRODUCES,
     }
 
 

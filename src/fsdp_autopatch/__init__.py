@@ -19,6 +19,8 @@ switchable by an environment variable, and a registry records what happened:
                                    `fully_shard`.
 * ``clip_grad_norm_multi_mesh``  – clip_grad_norm_ works over gradients on several DeviceMeshes (experts + dense, HSDP +
                                    1-D).
+* ``fsdp_module_abc_layout``     – fully_shard works on a module class that lists abc.ABC first (`class Model(abc.ABC,
+                                   nn.Module)`).
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

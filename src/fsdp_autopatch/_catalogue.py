@@ -65,6 +65,7 @@ ENTRIES = (
     Entry("grouped_module_reuse"),
     Entry("keep_param_attributes"),
     Entry("clip_grad_norm_multi_mesh"),
+    Entry("fsdp_module_abc_layout"),
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
     Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True),
 )
