@@ -27,7 +27,7 @@ Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatu
 :class:`PatchRecord`, :class:`StatusReport`; for authors of patches shipped by other distributions
 (entry-point group ``fsdp_autopatch.patches``): :class:`Patch`, :class:`Wrap` (with
 :data:`KEEP_RESULT` / :data:`CALL_AGAIN`), :class:`Add`, :class:`Verdict`, :func:`needed`,
-:func:`not_needed`, :func:`unsupported`, :func:`fired`.
+:func:`not_needed`, :func:`unsupported`, :func:`fired`; :class:`GuardError`, what a guard raises.
 Everything else is private.
 
 Interpreter start does not import this package: the ``.pth`` imports only the top-level module
@@ -41,6 +41,7 @@ loaded on first use): ``import fsdp_autopatch`` should cost a training script no
 __all__ = [
     "Add",
     "CALL_AGAIN",
+    "GuardError",
     "KEEP_RESULT",
     "Patch",
     "PatchRecord",
@@ -74,6 +75,7 @@ _LAZY = {
     "not_needed": "_spec",
     "unsupported": "_spec",
     "fired": "_events",
+    "GuardError": "_events",
 }
 
 

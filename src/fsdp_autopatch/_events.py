@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from ._catalogue import toggle_for
 from ._registry import REGISTRY
 
 logger = logging.getLogger("fsdp_autopatch")
@@ -25,6 +26,31 @@ def fired(name: str, without: str, where: str = "") -> None:
     level = logging.INFO if count == 1 else logging.DEBUG
     if logger.isEnabledFor(level):
         logger.log(level, "%s fired: %s%s", name, without, f" ({shorten(where)})" if where else "")
+
+
+class GuardError(RuntimeError):
+    """A guard of fsdp-autopatch stopped a run that torch would train silently wrong.
+
+    ``patch`` is the guard's name; the message says what was found, what to do, and the variable
+    that lets the run go on anyway (``FSDP_AUTOPATCH_<NAME>_ENABLED=0``).
+    """
+
+    def __init__(self, patch: str, message: str) -> None:
+        super().__init__(message)
+        self.patch = patch
+
+
+def stop(name: str, found: str, remedy: str) -> GuardError:
+    """The error guard ``name`` raises (one fire): ``found`` what torch would do, ``remedy`` what to
+    do about it. Raise what it returns: call-time isolation lets it through to the user."""
+    from ._isolation import for_the_user  # _isolation imports the registry, as this module does
+
+    fired(name, f"stopped: {found}")
+    message = (
+        f"fsdp-autopatch guard {name}: {found}. {remedy}. "
+        f"To let the run go on as torch would run it, set {toggle_for(name)}=0."
+    )
+    return for_the_user(GuardError(name, message))  # type: ignore[return-value]
 
 
 def shorten(text: str) -> str:
