@@ -96,8 +96,20 @@ def torch_release() -> Version | None:
     return parse_torch_version(raw) if raw is not None else None
 
 
-def describe(version: Version | None) -> str:
-    return f"torch {version}" if version is not None else "torch (unparsable version)"
+def describe(version: Version | None, raw: str | None = None) -> str:
+    """``torch 2.13.0`` for a release (``+cpu``/``+cu128`` builds included); a pre-release or dev
+    build is shown as it calls itself, with the release it counts as: ``torch 2.13.0a0+nv26.06
+    (counted as 2.13.0)`` (NGC's vendor builds), ``torch 2.16.0.dev20261201+cpu (counted as 2.16.0)``."""
+    if version is None:
+        return "torch (unparsable version)"
+    raw = _process.torch_version() if raw is None else raw
+    try:
+        shown = Version(raw) if raw else None
+    except InvalidVersion:
+        shown = None
+    if shown is not None and Version(shown.base_version) == version and (shown.is_prerelease or shown.is_devrelease):
+        return f"torch {raw} (counted as {version})"
+    return f"torch {version}"
 
 
 def before(version: Version | None, release: str) -> bool:

@@ -122,3 +122,17 @@ def test_state_param_groups_across_versions():
     assert _compat.state_param_groups(new_style) == ["a", "b"]
     assert _compat.state_param_groups(old_style) == ["a"]
     assert _compat.state_param_groups(old_empty) == []
+
+
+@pytest.mark.parametrize(
+    "raw, shown",
+    [
+        ("2.13.0a0+nv26.06", "torch 2.13.0a0+nv26.06 (counted as 2.13.0)"),  # NVIDIA's vendor builds
+        ("2.8.0a0+5228986c39.nv25.05", "torch 2.8.0a0+5228986c39.nv25.05 (counted as 2.8.0)"),
+        ("2.16.0.dev20261201+cpu", "torch 2.16.0.dev20261201+cpu (counted as 2.16.0)"),
+        ("2.13.0+cpu", "torch 2.13.0"),  # a release build reads as its release
+        ("2.15.0", "torch 2.15.0"),
+    ],
+)
+def test_vendor_and_dev_versions_are_parsed_and_shown_as_they_call_themselves(raw, shown):
+    assert _compat.describe(_compat.parse_torch_version(raw), raw) == shown

@@ -44,3 +44,40 @@ def test_fp8_mixture_without_a_promotion_is_left_alone():
     grads = [torch.zeros(2, dtype=torch.float32), torch.zeros(2).to(fp8)]
     make_uniform(grads)
     assert [g.dtype for g in grads] == [torch.float32, fp8]
+
+
+DTENSOR_PROGRAM = r"""
+import json, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from fsdp_autopatch.patches.uniform_reduce_dtype import localize, make_uniform
+mesh = init_device_mesh("cpu", (1,))
+local = torch.randn(3, dtype=torch.bfloat16)
+plain = torch.randn(4)
+grads = [plain, DTensor.from_local(local, mesh, [Replicate()])]
+count = localize(grads)
+make_uniform(grads)
+print(json.dumps({
+    "count": count, "types": [type(g).__name__ for g in grads], "dtypes": [str(g.dtype) for g in grads],
+    "plain_kept": grads[0] is plain, "values": torch.equal(grads[1], local.float()),
+    "again": localize(grads),
+}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_entry_is_made_local_then_widened():
+    """Vendor 2.13.0a0 builds hand foreach_reduce DTensor gradients among plain tensors."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FSDP_AUTOPATCH_ENABLED": "0", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-c", DTENSOR_PROGRAM]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout.splitlines()[-1])
+    assert got == {"count": 1, "types": ["Tensor", "Tensor"], "dtypes": ["torch.float32", "torch.float32"],
+                   "plain_kept": True, "values": True, "again": 0}

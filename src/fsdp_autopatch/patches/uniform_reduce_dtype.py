@@ -31,6 +31,12 @@ The replacement
     untouched (same tensor objects), and non-float mixtures (or dtypes without a promotion, such as
     fp8) are left alone so torch's assertion still fires for a genuine error.
 
+    DTensor entries: NVIDIA's vendor builds (``2.13.0a0+nv...``) can hand ``foreach_reduce`` a
+    ``DTensor`` unsharded gradient among plain tensors (NeMo Automodel localizes them before the
+    call); foreach_reduce works on local tensors. Each DTensor entry is replaced by its local tensor
+    (``to_local()``), in the list, before the dtypes are compared. Stock torch passes plain tensors
+    only: nothing changes there.
+
 Call-time isolation
     Our code runs before torch's ``foreach_reduce``; the list is either fully converted or left as
     it came (the conversions are made first). Should our code raise, ``foreach_reduce`` runs on the
@@ -44,6 +50,7 @@ Disable with ``FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0``.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -77,6 +84,26 @@ def widest_float_dtype(dtypes) -> Any:
         return None
 
 
+def localize(grads: list) -> int:
+    """Replace, in place, each DTensor entry by its local tensor; returns how many there were."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return 0
+    found = [i for i, grad in enumerate(grads) if isinstance(grad, dtensor)]
+    if found:
+        local = list(grads)
+        for i in found:
+            local[i] = grads[i].to_local()
+        grads[:] = local  # all conversions made first: the list is converted whole or left
+    return len(found)
+
+
+def _dtensor_type() -> Any:
+    # DTensor is imported by FSDP2 itself; read it from there (never import it ourselves)
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def make_uniform(grads: list) -> Any:
     """Convert, in place, mixed floating-point gradients to their promoted dtype; returns the
     dtypes it found mixed, or None when it changed nothing. All conversions are made before the
@@ -95,6 +122,11 @@ def make_uniform(grads: list) -> Any:
 
 def _uniform_dtype_reduce(wrapped, instance, args, kwargs):
     grads = wrapped.argument("unsharded_grads")
+    if isinstance(grads, list) and grads and localize(grads):
+        _events.fired(
+            "uniform_reduce_dtype", "DTensor gradients in foreach_reduce's list of local tensors (vendor builds)",
+            f"reduce-scatter of {_events.param_names(wrapped.argument('fsdp_params') or ())}",
+        )
     mixed = make_uniform(grads) if isinstance(grads, list) and grads else None
     if mixed:
         shown = ", ".join(sorted(str(dtype).replace("torch.", "") for dtype in mixed))
