@@ -241,6 +241,13 @@ def revert_all() -> None:
 
 def _undo(done: list[tuple[Any, str, Any]]) -> None:
     for owner, attribute, original in reversed(done):
+        installed = vars(owner).get(attribute, _MISSING)
+        if original is not _MISSING and installed is not _MISSING and installed is not original:
+            # copies made after we applied (torch.distributed.fsdp re-exports fully_shard from the
+            # package whose import our hook runs in): they get torch's object back too
+            for site, name in import_sites(installed):
+                if (site, name) != (owner, attribute):
+                    setattr(site, name, original)
         if original is _MISSING:
             try:
                 delattr(owner, attribute)

@@ -75,3 +75,22 @@ def test_the_modules_of_a_call_are_one_module_or_a_list():
     first, second = nn.Linear(1, 1), nn.ReLU()
     assert patch._classes_of(first) == [nn.Linear]
     assert patch._classes_of([first, second, nn.Linear(2, 2)]) == [nn.Linear, nn.ReLU]
+
+
+def test_revert_gives_the_public_re_export_torchs_function_back():
+    """torch.distributed.fsdp copies fully_shard from the package our hook runs in, after we wrapped it."""
+    import torch.distributed.fsdp as fsdp
+
+    from fsdp_autopatch import _activate, _patching
+
+    if not _patching.is_applied(patch.NAME):
+        pytest.skip("the patch is not applied in this process")
+    assert fsdp.fully_shard is torch_fully_shard.fully_shard  # one object: our wrapper, everywhere
+    wrapper = fsdp.fully_shard
+    try:
+        _activate.revert_all()
+        assert fsdp.fully_shard is torch_fully_shard.fully_shard is not wrapper
+        assert not hasattr(fsdp.fully_shard, "__wrapped__") or fsdp.fully_shard.__wrapped__ is not wrapper
+    finally:
+        _activate.activate()
+    assert fsdp.fully_shard is torch_fully_shard.fully_shard
