@@ -23,7 +23,7 @@ from . import _hook, _process
 from ._catalogue import PATCH_NAMES, POLICIES
 from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, THIRD_PARTY, ConfigWarning, read_settings
 from ._process import HOOK_TARGET
-from ._registry import CALL_TIME_FAILURE, REGISTRY, PatchStatus
+from ._registry import REGISTRY, PatchStatus
 
 PTH_NAME = "fsdp_autopatch.pth"
 START_NAME = "fsdp_autopatch.start"
@@ -247,7 +247,7 @@ def _patch_finding_of_status(record: Any) -> Finding:
             record.name, PROBLEM, f"unsupported on this torch, not protected: {record.reason}",
             "use a torch release from docs/compatibility.md, or report the torch build",
         )
-    if status is PatchStatus.FAILED and record.reason.startswith(CALL_TIME_FAILURE):
+    if status is PatchStatus.FAILED and record.at_call_time:
         # in-process only (fsdp_autopatch.status() in the training program): a wrapper of ours
         # raised, torch's own code ran instead and runs for the rest of the process
         action = (

@@ -54,6 +54,9 @@ class PatchRecord:
     fired: int = 0
     # the distribution that declares it, "<name> <version>"; None for fsdp-autopatch's own patches
     provider: str | None = None
+    # failed at call time: it had applied, one of its wrappers raised, torch's code runs from then
+    # on (``_isolation``); False for every other record. Not in ``to_dict`` (the reason says it).
+    at_call_time: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,10 +131,11 @@ CALL_TIME_FAILURE = "failed at call time"
 class _Entry:
     """One patch's record as the registry keeps it (mutable under the registry's lock)."""
 
-    __slots__ = ("status", "reason", "decided_by", "variable", "value", "provider")
+    __slots__ = ("status", "reason", "decided_by", "variable", "value", "provider", "at_call_time")
 
     def __init__(
-        self, status: PatchStatus, reason: str, decided_by: str = "", variable=None, value=None, provider=None
+        self, status: PatchStatus, reason: str, decided_by: str = "", variable=None, value=None, provider=None,
+        at_call_time: bool = False,
     ) -> None:
         self.status = PatchStatus(status)
         self.reason = reason
@@ -139,6 +143,7 @@ class _Entry:
         self.variable = variable
         self.value = value
         self.provider = provider
+        self.at_call_time = at_call_time
 
 
 class Registry:
@@ -179,7 +184,8 @@ class Registry:
                 return
             applied = f" (it had applied: {entry.reason})" if entry.status is PatchStatus.APPLIED else ""
             self._records[name] = _Entry(
-                PatchStatus.FAILED, reason + applied, entry.decided_by, entry.variable, entry.value, entry.provider
+                PatchStatus.FAILED, reason + applied, entry.decided_by, entry.variable, entry.value, entry.provider,
+                at_call_time=True,
             )
 
     def add_external(
@@ -244,7 +250,8 @@ def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:
     # toggle belongs to whoever owns the name): FSDP_AUTOPATCH_THIRD_PARTY silences it.
     env = THIRD_PARTY if ":" in name else patch_env_var(name)
     return PatchRecord(
-        name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value, fired, entry.provider
+        name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value, fired, entry.provider,
+        entry.at_call_time,
     )
 
 
