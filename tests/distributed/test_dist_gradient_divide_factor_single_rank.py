@@ -1,0 +1,124 @@
+"""gradient_divide_factor_single_rank: a custom divide factor on a one-rank shard group (2 gloo ranks).
+
+Scenario ``divide_factor_single_rank`` (``_gradient_divide_factor_single_rank_scenarios``):
+``set_gradient_divide_factor(4)`` on every FSDP module of a small MLP, HSDP mesh ``(2, 1)`` (a
+one-rank shard group) with force-sum fp32 and with an fp16 reduce, their twins on mesh ``(1, 2)``
+(a 2-rank shard group) and the ``(2, 1)`` default path (no force-sum).
+
+* patch off, where torch has the dividing one-rank copy (2.13+): the ``(2, 1)`` sum-path
+  gradients are the reference divided by the factor once more (ratio |ref| / |grad| = 4);
+  before it, torch is right;
+* patch on: every case equals the one-process reference (sum of the ranks' gradients / 4) and
+  its 2-rank-shard twin (fp32: to fp32 rounding; fp16: within fp16 rounding); the cases torch
+  gets right (the ``(1, 2)`` twins, the default path) are bitwise what torch gives without it;
+  ``fired`` on every rank where it applies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _dist_checks as ck
+import _gradient_divide_factor_single_rank_scenarios as gd
+from _dist_launcher import RunResult, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+PATCH = "gradient_divide_factor_single_rank"
+BUG = "j"
+FP16_REL = 1e-3  # fp16 reduce vs the fp32 reference (measured 4.3e-05 absolute on 2.13)
+CONTROLS = ("shard_1x2_sum", "shard_1x2_fp16", "hsdp_2x1_default")
+
+
+@pytest.fixture(scope="module")
+def unpatched() -> RunResult:
+    return run_ranks("divide_factor_single_rank", env={ck.ENV[PATCH]: "0"})
+
+
+@pytest.fixture(scope="module")
+def patched() -> RunResult:
+    return run_ranks("divide_factor_single_rank")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return gd.reference_grads()
+
+
+def _grads(run: RunResult, case: str) -> dict[str, torch.Tensor]:
+    for rank in run.ranks:
+        assert rank.cases[case]["error"] is None, (rank.rank, case, rank.cases[case]["error"])
+    grads = run.ranks[0].cases[case]["full_grads"]
+    for rank in run.ranks[1:]:  # the ranks agree (the bug is silent)
+        assert all(torch.equal(grads[n], g) for n, g in rank.cases[case]["full_grads"].items()), case
+    return {n: g.float() for n, g in grads.items()}
+
+
+def _ratio(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """|reference| / |grads| over all parameters: 1 right, FACTOR divided twice."""
+    norm = lambda d: sum(float(t.double().norm()) ** 2 for t in d.values()) ** 0.5  # noqa: E731
+    return norm(ref) / norm(grads)
+
+
+def _match(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], case: str) -> None:
+    if "fp16" in case:
+        for n in ref:
+            err = ck.rel_err(grads[n], ref[n])
+            assert err < FP16_REL, f"{case} {n}: relative error {err:.3g} (fp16 tolerance {FP16_REL})"
+    else:
+        ck.assert_grads_match(grads, ref)
+
+
+def test_unpatched(unpatched, reference):
+    """With the dividing one-rank copy, the (2, 1) sum paths divide by the factor twice."""
+    unpatched.assert_clean()
+    for rank in unpatched.ranks:
+        assert rank.cases["hsdp_2x1_sum"]["shard_group_size"] == 1
+        assert rank.cases["shard_1x2_sum"]["shard_group_size"] == 2
+    ratios = {case: _ratio(_grads(unpatched, case), reference) for case in gd.BUGGY}
+    detail = ", ".join(f"{case} |ref|/|grad| = {r:.4f}" for case, r in ratios.items())
+    if all(abs(r - gd.FACTOR) < 1e-2 for r in ratios.values()):
+        outcome = ck.ex.REPRODUCES
+        detail = f"gradients divided by factor**2 ({detail})"
+    else:
+        for case in gd.BUGGY:
+            _match(_grads(unpatched, case), reference, case)
+        outcome = ck.ex.FIXED
+    ck.expect_unpatched(BUG, outcome, detail, unpatched)
+    for case in CONTROLS:  # torch is right on a 2-rank shard group and on the default path
+        _match(_grads(unpatched, case), reference, case)
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+
+
+@pytest.mark.parametrize("case", list(gd.CASES))
+def test_patched(patched, reference, case):
+    patched.assert_clean()
+    ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})
+    grads = _grads(patched, case)
+    _match(grads, reference, case)
+    if case in gd.TWIN:  # the same run on a 2-rank shard group
+        twin = _grads(patched, gd.TWIN[case])
+        for n in twin:
+            torch.testing.assert_close(grads[n], twin[n], rtol=FP16_REL if "fp16" in case else 1e-5, atol=1e-6)
+    ck.assert_fired_where_applied(patched, PATCH)
+
+
+@pytest.mark.parametrize("case", CONTROLS)
+def test_cases_torch_gets_right_are_unchanged(patched, unpatched, case):
+    """A fix changes nothing where the bug does not strike: bitwise torch's gradients."""
+    got, torch_own = _grads(patched, case), _grads(unpatched, case)
+    assert all(torch.equal(got[n], torch_own[n]) for n in torch_own), case
+
+
+def test_fired_once_per_corrected_reduction(patched):
+    """One fire per foreach_reduce it corrects: two units with parameters (the root has none of its
+    own), two buggy cases; none where it does not apply."""
+    expected = 2 * len(gd.BUGGY) if ck.EXPECTED_STATUS[PATCH] == "applied" else 0
+    assert ck.fired(patched, PATCH) == [expected] * len(patched.ranks)
+
+
+def test_patched_observed(patched, reference):
+    patched.assert_clean()
+    ratio = _ratio(_grads(patched, "hsdp_2x1_sum"), reference)
+    ck.observe_patched(BUG, f"HSDP (2, 1) sum paths equal the reference and the (1, 2) twin (ratio {ratio:.4f})")
