@@ -1,0 +1,160 @@
+"""compiled_autograd_guard: stop a backward that runs FSDP2's hooks under compiled autograd.
+
+The bug
+    FSDP2's backward is eager machinery: ``FSDPState._pre_backward`` (a tensor hook on each unit's
+    forward outputs) unshards and queues the root's ``_root_post_backward_final_callback`` on the
+    eager autograd engine (``Variable._execution_engine.queue_callback``);
+    ``RegisterPostBackwardFunction`` calls ``FSDPParamGroup.post_backward`` (reshard and
+    reduce-scatter); the final callback runs the post-backward of every group whose hook did not
+    fire (a unit whose input needs no gradient) and resets the per-iteration state. Under compiled
+    autograd (``torch._dynamo.compiled_autograd._enable(...)`` around ``backward()``, or
+    ``torch._dynamo.config.compiled_autograd = True`` with the backward inside a compiled
+    function) the backward is a graph run from Python by the compiled-autograd runtime wrapper:
+    the engine's queued callback never runs, FSDP2's state stays mid-backward, and the later
+    backwards reduce nothing. No error: the ranks' shards train on their own local gradients, or
+    not at all (2 gloo ranks, 3 SGD steps: one reduce-scatter instead of six, the first layer never
+    moves, the weights end up away from eager FSDP2's; torch 2.15 with mixed precision stops
+    later with a ``grad_dtype`` error instead). Upstream: torchtitan issue 1708 ("FSDP + compiled
+    autograd", closed, untested there); PyTorch PRs 174863 and 174906 removed FSDP2's dynamo and
+    compiled-autograd paths (``compiled_autograd_enabled()``); NeMo Automodel's
+    ``compiled_autograd_active()`` steps aside in the same situation. No fix short of a
+    traceable FSDP2: this is a guard.
+
+Torch versions
+    2.13 and 2.15 measured (no compiled-autograd path left in FSDP2); 2.14 read (the same).
+    2.12 read, not run (after PR 174906). Before it FSDP2 has its own compiled-autograd code
+    (``_fsdp_common.compiled_autograd_enabled``): not measured, left untouched (unsupported).
+    Any dtype, shape, mesh: the trigger is compiled autograd itself.
+
+Needed here?
+    No module of FSDP2's backward (``_fsdp_common``, ``_fsdp_state``, ``_fsdp_param_group``,
+    ``_fsdp_param``) holds a global naming compiled autograd, neither target's bytecode names it,
+    and the root's ``_register_root_post_backward_final_callback`` queues its callback on the
+    eager engine (``queue_callback``) -> needed. FSDP2 that reads compiled autograd (older
+    releases, a future traceable FSDP2) -> unsupported. A target missing -> unsupported.
+
+The guard
+    Wrappers of ``FSDPState._pre_backward`` (the first FSDP2 code a backward runs) and of
+    ``FSDPParamGroup.post_backward`` (a second net) raise :class:`fsdp_autopatch.GuardError`
+    before torch's method when they run inside a compiled-autograd graph: compiled autograd's
+    module is loaded (read from ``sys.modules``, never imported here), its global
+    ``in_compiled_autograd_region`` is set (by the runtime wrapper around the compiled graph), and
+    this thread's stack holds a frame of that module (the flag is process-wide: a threaded process
+    group whose other thread runs compiled autograd must not stop this one's eager backward).
+    Otherwise one dictionary lookup and one attribute read per hook. Under compiled autograd the
+    hook is first reached while Dynamo traces the compiled-autograd graph (FSDP2's hooks are
+    ``_dynamo_disable``d, our wrapper is not): the stack walk breaks that graph, the hook then runs
+    eagerly and raises. Every rank of the job runs the same backward, so each raises in the same
+    place: no rank is left waiting in a collective. A forward compiled with ``torch.compile`` and
+    an eager backward (the usual setup), or compiled autograd configured but not engaged, stay
+    silent.
+
+Call-time isolation
+    Our check runs before torch's method: should it raise anything but the guard's error, torch's
+    method runs as without the patch. Nothing here is collective.
+
+Disable with ``FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED=0`` (the run then trains as torch
+would: silently wrong).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import _compat, _events
+from .._catalogue import GUARD
+from .._spec import Patch, Verdict, Wrap, needed, unsupported
+
+NAME = "compiled_autograd_guard"
+_CA = "torch._dynamo.compiled_autograd"
+_REGION = "in_compiled_autograd_region"
+_BACKWARD_MODULES = ("_fsdp_common", "_fsdp_state", "_fsdp_param_group", "_fsdp_param")
+_STATE = f"{_compat.FSDP2_PACKAGE}._fsdp_state"
+_GROUP = f"{_compat.FSDP2_PACKAGE}._fsdp_param_group"
+_MAX_DEPTH = 400  # frames walked up from a hook: the runtime wrapper is a few dozen above it
+
+FOUND = (
+    "backward() runs FSDP2's hooks inside a compiled-autograd graph (torch._dynamo.compiled_autograd), "
+    "which this torch's FSDP2 does not support: its reshard and reduce-scatter after backward run from eager "
+    "autograd hooks and a final callback queued on the eager autograd engine, which a compiled-autograd "
+    "graph never runs, so the gradients would not be reduced across ranks and each rank's weights would "
+    "silently drift from the others' (some units not trained at all)"
+)
+REMEDY = (
+    "Run backward without compiled autograd: call backward() outside torch._dynamo.compiled_autograd._enable(...) "
+    "and leave torch._dynamo.config.compiled_autograd off (torch.compile of the model's forward or of its "
+    "blocks is fine, the backward then runs FSDP2's hooks eagerly)"
+)
+
+
+def _structural_check() -> Verdict:
+    modules = [_compat.fsdp_module(name) for name in _BACKWARD_MODULES]
+    state, group = modules[1].FSDPState, modules[2].FSDPParamGroup
+    for cls, method in ((state, "_pre_backward"), (state, "_register_root_post_backward_final_callback"),
+                        (group, "post_backward")):
+        if not callable(_compat.class_attr(cls, method)):
+            return unsupported(f"{cls.__name__}.{method} is missing: torch left untouched")
+    reading = [
+        f"{module.__name__.rpartition('.')[2]}.{name}"
+        for module in modules for name in vars(module) if "compiled_autograd" in name
+    ]
+    reading += [
+        f"{cls.__name__}.{method}" for cls, method in ((state, "_pre_backward"), (group, "post_backward"))
+        if any("compiled_autograd" in name for name in getattr(_compat.code_of(_compat.class_attr(cls, method)),
+                                                                   "co_names", ()))
+    ]
+    if reading:
+        return unsupported(
+            f"this FSDP2 has its own compiled-autograd code ({', '.join(reading[:3])}): not measured, torch left "
+            "untouched"
+        )
+    if not _compat.reads_names(_compat.class_attr(state, "_register_root_post_backward_final_callback"),
+                               "queue_callback"):
+        return unsupported("the root no longer queues its final callback on the autograd engine: not measured")
+    return needed(
+        "FSDP2 has no compiled-autograd path: its post-backward runs from eager hooks and a final callback "
+        "queued on the eager autograd engine, which a compiled-autograd graph does not run"
+    )
+
+
+def in_compiled_autograd_graph() -> bool:
+    """Whether this thread runs inside a compiled-autograd graph (never imports dynamo)."""
+    ca = sys.modules.get(_CA)
+    if ca is None or not getattr(ca, _REGION, False):
+        return False
+    # The flag is global to the process: confirm the runtime wrapper is on this thread's stack.
+    frame = sys._getframe(1)
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == _CA:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stop_under_compiled_autograd(wrapped, instance, args, kwargs):
+    if in_compiled_autograd_graph():
+        raise _events.stop(NAME, FOUND, REMEDY)
+    return wrapped(*args, **kwargs)
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="a backward under compiled autograd stops at its first FSDP2 hook instead of skipping the reduce-scatter",
+    symptom="silent: no reduce-scatter after the first backward, the ranks' weights drift from eager FSDP2's "
+    "(torch 2.15 with mixed precision: a later grad_dtype error)",
+    trigger="torch._dynamo.compiled_autograd around backward() (compiled_autograd._enable, or "
+    "torch._dynamo.config.compiled_autograd with the backward inside a compiled function)",
+    upstream=("torchtitan issue 1708", "PyTorch PR 174906", "PyTorch PR 174863",
+              "NeMo Automodel compiled_autograd_active()"),
+    # measured on 2.13 and 2.15; 2.14 read; 2.12 read from PR 174906, not run
+    affected=">=2.12,<2.16",
+    check=_structural_check,
+    targets=(
+        Wrap(f"{_STATE}:FSDPState._pre_backward", _stop_under_compiled_autograd),
+        Wrap(f"{_GROUP}:FSDPParamGroup.post_backward", _stop_under_compiled_autograd),
+    ),
+    changes="FSDP2's backward hooks stop with an error when they run inside a compiled-autograd graph",
+    kind=GUARD,
+)
