@@ -10,9 +10,9 @@ rank's batch; the full gradients recorded per case:
 * ``hsdp_2x1_fp16``: the same mesh, ``reduce_dtype=float16`` (the sum path without force-sum);
 * ``shard_1x2_sum`` / ``shard_1x2_fp16``: the same on mesh ``(1, 2)`` (a 2-rank shard group: torch
   is right there);
-* ``hsdp_2x1_default``: mesh ``(2, 1)``, the factor without force-sum (PREMUL_SUM / AVG path, whose
-  reduce-scatter the one-rank copy replaces: torch is right; on torch 2.8 ``_rank`` forces sum on
-  every unit, where the one-rank reduce-scatter divides once too).
+* ``hsdp_2x1_default``: mesh ``(2, 1)``, the factor without force-sum (the PREMUL_SUM path, whose
+  reduce-scatter the dividing one-rank copy replaces: torch is right there; last, since releases
+  without that copy may raise in it: gloo has no PREMUL_SUM reduce-scatter).
 
 Right: each equals the one-process reference (sum over the ranks' gradients / FACTOR).
 See ``test_dist_gradient_divide_factor_single_rank.py``.

@@ -21,8 +21,9 @@ The bug
 
 Torch versions
     Measured: 2.13 and 2.15 (2 gloo ranks, factor 4: gradients 4x too small). The releases before
-    the dividing copy (2.8 has no copy branch; later ones a copy that does not divide) divide
-    once and are right: read, not run. The structural check decides on every release.
+    the dividing copy (2.8 has no copy branch; after PR 162021 a copy that does not divide) divide
+    once and are right: read, not run (which release first divides in the copy, 2.11 - 2.13, is
+    not pinned down). The structural check decides on every release.
 
 Needed here?
     Read from torch's own code (no process group): ``foreach_reduce``'s source has an
