@@ -11,10 +11,11 @@ import sys
 import pytest
 
 import _dist_checks as ck
+from fsdp_autopatch.demo import bugs
 
 pytestmark = pytest.mark.timeout(200)
 
-BUGS = ("post_forward_mesh_cache", "grouped_module_reuse", "keep_param_attributes", "clip_grad_norm_multi_mesh")
+BUGS = bugs.NAMES  # every show module of fsdp_autopatch.demo.bugs
 SUB_RUN_TIMEOUT_S = 60  # the demo kills a sub-run's ranks after this
 OUTER_TIMEOUT_S = 2 * SUB_RUN_TIMEOUT_S + 30
 
@@ -34,9 +35,12 @@ def test_demo_bug_shows_the_failure_then_the_right_value(name):
     out = run.stdout
     assert run.returncode == 0, f"exit {run.returncode}\n{out}\n{run.stderr[-3000:]}"
     without, _, with_patch = out.partition("with the patch")
-    if ck.UNPATCHED[ck.ex.BUG_OF[name]] == ck.ex.REPRODUCES:
+    expected = ck.UNPATCHED[ck.ex.BUG_OF[name]]
+    if expected == ck.ex.REPRODUCES:
         assert "==> REPRODUCED" in without, out
-    else:
+    elif expected == ck.ex.FIXED:
         assert "==> right: this torch does not have the bug" in without, out
+    else:  # a release tests/expected.py has not measured: either outcome, shown
+        assert "==> REPRODUCED" in without or "==> right: this torch does not have the bug" in without, out
     assert "\n==> right" in with_patch, out
     assert f"demo --bug {name}" in out and "upstream:" in out, out
