@@ -1,0 +1,60 @@
+"""``demo --bug inplace_view_output``: a unit's output view modified in place by its caller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._bug_common import DIM, fsdp_api, grads_verdict, rank_batch, sum_reduction
+
+WORLD_SIZE = 2
+WHAT = (
+    "fully_shard(block) whose forward returns lin(x).transpose(0, 1); the caller modifies that output in "
+    "place (out.mul_(2)); one backward"
+)
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(DIM, DIM)
+
+        def forward(self, x):
+            return self.lin(x).transpose(0, 1)  # a view of lin's output
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre, self.block = nn.Linear(DIM, DIM), Block()
+
+        def forward(self, x):
+            out = self.block(torch.tanh(self.pre(x)))
+            out.mul_(2.0)  # the caller's in-place op on the view
+            return out
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def _loss(model, batch):
+    return model(batch).pow(2).sum()
+
+
+def show(rank: int, world_size: int) -> dict[str, Any]:
+    import warnings
+
+    _, init_device_mesh, fully_shard = fsdp_api()
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _model()
+    fully_shard(model.block, mesh=mesh)  # reshards after forward
+    fully_shard(model, mesh=mesh)
+    sum_reduction(model, model.block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch 2.13+ warns of the view (PyTorch PR 181850)
+        loss = _loss(model, rank_batch(rank))
+    loss.backward()
+    diff, right = grads_verdict(model, _model, _loss, world_size, rank)
+    return {"right": right, "value": f"backward completed; max relative |grad - reference| {diff:.1e}"}
