@@ -4,12 +4,18 @@ Scenario ``compiled_autograd`` (``_compiled_autograd_guard_scenarios``): a 2-lay
 Linears and the root ``fully_shard``ed, 3 SGD steps on each rank's own batch; the backward eager,
 after a ``torch.compile``d forward, and under ``compiled_autograd._enable`` (fp32, bf16/fp32).
 
-* guard off (torch 2.13, measured): the compiled-autograd cases finish silently with ONE
-  ``foreach_reduce`` in 3 steps instead of 6; the first layer never moves (0 from its initial
-  weights, 2.544e-02 off eager FSDP2's), the second ends 3.685e-02 (weight) / 4.223e-02 (bias)
-  off; eager FSDP2 equals the one-process reference;
+* guard off (torch 2.13, measured): the compiled-autograd cases finish silently with fewer
+  ``foreach_reduce`` calls than the eager 6 in 3 steps (1 with torch alone, 3 with the other
+  patches on: ``stale_backward_recovery`` resets the state left mid-backward at each next forward);
+  the first layer never moves (0 from its initial weights: 2.544e-02 / 1.906e-02 off eager
+  FSDP2's weight / bias), the second ends 3.685e-02 off (torch alone) or 1.48e-03 off (with
+  ``stale_backward_recovery``); eager FSDP2 equals the one-process reference;
+  torch 2.15 (measured, the other patches on): the same in fp32; with bf16 parameters its compiled autograd
+  raises at the first backward itself (``RuntimeError: attempting to assign a gradient with dtype
+  'c10::BFloat16' to a tensor with grad_dtype 'Float'``, at capture: recorded as a note);
 * guard on: the first backward of each compiled-autograd case raises ``GuardError`` naming the
-  guard and its toggle on every rank, before any reduce-scatter (``fired`` once per case);
+  guard and its toggle on every rank, before any reduce-scatter (``fired`` once per case); on
+  2.15 the bf16 case stops with torch's own error above first (no FSDP2 hook runs before it);
   the eager and compiled-forward cases stay silent (``fired`` 0) and equal the reference and
   each other bitwise.
 """
@@ -31,7 +37,8 @@ BUG = "l"
 TIMEOUT_S = 400.0
 COMPILED_AUTOGRAD = ("compiled_autograd", "compiled_autograd_bf16")
 SILENT = ("eager", "compile_forward")
-DRIFT_MIN = 1e-2  # measured on 2.13: 2.5e-02 - 4.2e-02 off eager FSDP2 after 3 steps
+TORCH_GRAD_DTYPE = "to a tensor with grad_dtype"  # torch 2.15's own error under compiled autograd, bf16
+DRIFT_MIN = 1e-2  # measured on 2.13: the first layer 2.5e-02 off eager FSDP2 after 3 steps
 
 
 def _run(env: dict[str, str]) -> RunResult:
@@ -102,12 +109,15 @@ def test_unpatched(unpatched):
     if max(off.values()) > DRIFT_MIN:
         outcome = ck.ex.REPRODUCES
         assert moved["0.weight"] == 0.0 and moved["0.bias"] == 0.0, moved  # the first layer never trains
-        assert reduces == [1, 1] and eager_reduces == [2 * ca_sc.STEPS] * 2, (reduces, eager_reduces)
+        # 1 (torch alone) or 3 (stale_backward_recovery resets the state each next forward) of 6
+        assert all(n < e for n, e in zip(reduces, eager_reduces)) and eager_reduces == [2 * ca_sc.STEPS] * 2, (
+            reduces, eager_reduces,
+        )
     else:
         outcome = ck.ex.FIXED
     ck.expect_unpatched(BUG, outcome, detail, unpatched)
-    if ck.RELEASE == (2, 13):  # the numbers measured here (the docstring's)
-        assert abs(off["0.weight"] - 2.544e-02) < 1e-4 and abs(off["2.bias"] - 4.223e-02) < 1e-4, off
+    if ck.RELEASE in ((2, 13), (2, 15)) and outcome == ck.ex.REPRODUCES:  # measured: none of eager FSDP2's steps
+        assert abs(off["0.weight"] - 2.544e-02) < 1e-4 and abs(off["0.bias"] - 1.906e-02) < 1e-4, off
     for rank in unpatched.ranks:  # what mixed precision does is recorded, not judged
         rec = rank.cases["compiled_autograd_bf16"]
         if rec["error"] is not None:
@@ -123,15 +133,22 @@ def test_patched_stops_at_the_first_backward(patched):
     if ck.EXPECTED_STATUS[PATCH] != "applied":
         pytest.skip(f"{PATCH} is {ck.EXPECTED_STATUS[PATCH]} on this torch")
     for rank in patched.ranks:
-        for fires, case in enumerate(COMPILED_AUTOGRAD, start=1):
+        fires = 0
+        for case in COMPILED_AUTOGRAD:
             rec = rank.cases[case]
             assert rec["error"] is not None, f"rank {rank.rank} {case} did not stop: {rec}"
-            assert rec["error"]["type"] == "GuardError", rec["error"]
+            assert rec["steps"] == 0 and rec["reduces"] == 0, rec  # the first backward, before any reduce
             message = rec["error"]["message"]
+            if case.endswith("bf16") and rec["error"]["type"] == "RuntimeError" and TORCH_GRAD_DTYPE in message:
+                # 2.15: compiled autograd's capture refuses the bf16 gradient of a parameter whose
+                # grad_dtype FSDP2 set to fp32, before any FSDP2 hook runs: torch stops the run itself
+                assert rec["fired_after"] == fires, rec
+                continue
+            assert rec["error"]["type"] == "GuardError", rec["error"]
             assert message.startswith(f"fsdp-autopatch guard {PATCH}: backward() runs FSDP2's hooks inside a "
                                       "compiled-autograd graph"), message
             assert f"{ck.ENV[PATCH]}=0" in message and "Run backward without compiled autograd" in message
-            assert rec["steps"] == 0 and rec["reduces"] == 0, rec  # the first backward, before any reduce
+            fires += 1
             assert rec["fired_after"] == fires, rec  # one fire per stopped backward
     ck.assert_fired_where_applied(patched, PATCH)
 

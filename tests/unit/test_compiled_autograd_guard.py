@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if the .pth is active)
+import torch.distributed.fsdp  # noqa: E402,F401,F811  (fires the post-import hook if the .pth is active)
 
 from fsdp_autopatch import _events, _isolation  # noqa: E402
 from fsdp_autopatch._events import GuardError  # noqa: E402
@@ -53,11 +53,22 @@ def test_the_structural_check_finds_no_compiled_autograd_path():
     assert "no compiled-autograd path" in verdict.reason
 
 
-def test_an_fsdp2_that_reads_compiled_autograd_is_left_alone(monkeypatch):
+def test_an_fsdp2_with_its_own_compiled_autograd_path_is_guarded_where_it_takes_the_eager_one(monkeypatch):
     common = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_common"]
-    monkeypatch.setattr(common, "compiled_autograd_enabled", lambda: False, raising=False)
+    chosen = {"own path": False}
+    monkeypatch.setattr(common, "compiled_autograd_enabled", lambda: chosen["own path"], raising=False)
     verdict = guard._structural_check()
-    assert verdict.status == "unsupported" and "_fsdp_common.compiled_autograd_enabled" in verdict.reason
+    assert verdict.status == "needed" and "compiled_autograd_enabled()) is left alone" in verdict.reason
+    assert not guard._fsdp2_took_its_own_path()
+    chosen["own path"] = True
+    assert guard._fsdp2_took_its_own_path()
+
+
+def test_an_fsdp2_that_reads_compiled_autograd_otherwise_is_left_alone(monkeypatch):
+    common = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_common"]
+    monkeypatch.setattr(common, "traceable_compiled_autograd_hooks", True, raising=False)
+    verdict = guard._structural_check()
+    assert verdict.status == "unsupported" and "traceable_compiled_autograd_hooks" in verdict.reason
 
 
 def test_outside_compiled_autograd_the_check_is_silent(fake_ca, monkeypatch):
@@ -100,7 +111,7 @@ def test_the_flag_set_by_another_thread_does_not_count(fake_ca):
     assert seen == {"other": True, "this": False}
 
 
-def test_the_wrapper_raises_the_guard_error_and_counts_a_fire(fake_ca, registry):
+def test_the_wrapper_raises_the_guard_error_and_counts_a_fire(fake_ca, registry, monkeypatch):
     ran = []
     hook = lambda grad: ran.append(grad) or grad  # noqa: E731
     assert _isolation.run_wrapper(guard._stop_under_compiled_autograd, hook, None, (1,), {}) == 1
@@ -111,6 +122,12 @@ def test_the_wrapper_raises_the_guard_error_and_counts_a_fire(fake_ca, registry)
             lambda: _isolation.run_wrapper(guard._stop_under_compiled_autograd, hook, None, (2,), {})
         )
     assert ran == [1], "torch's hook must not run once the guard stopped the backward"
+    common = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_common"]
+    monkeypatch.setattr(common, "compiled_autograd_enabled", lambda: True, raising=False)
+    assert call_from_compiled_autograd(  # an FSDP2 that took its own compiled-autograd path: torch's
+        lambda: _isolation.run_wrapper(guard._stop_under_compiled_autograd, hook, None, (3,), {})
+    ) == 3
+    assert ran == [1, 3]
     error = raised.value
     assert error.patch == guard.NAME and f"{TOGGLE}=0" in str(error)
     assert str(error).startswith(f"fsdp-autopatch guard {guard.NAME}: backward() runs FSDP2's hooks")

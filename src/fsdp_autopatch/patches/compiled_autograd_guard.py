@@ -13,25 +13,30 @@ The bug
     the engine's queued callback never runs, FSDP2's state stays mid-backward, and the later
     backwards reduce nothing. No error: the ranks' shards train on their own local gradients, or
     not at all (2 gloo ranks, 3 SGD steps: one reduce-scatter instead of six, the first layer never
-    moves, the weights end up away from eager FSDP2's; torch 2.15 with mixed precision stops
-    later with a ``grad_dtype`` error instead). Upstream: torchtitan issue 1708 ("FSDP + compiled
-    autograd", closed, untested there); PyTorch PRs 174863 and 174906 removed FSDP2's dynamo and
-    compiled-autograd paths (``compiled_autograd_enabled()``); NeMo Automodel's
-    ``compiled_autograd_active()`` steps aside in the same situation. No fix short of a
-    traceable FSDP2: this is a guard.
+    moves, the weights end up away from eager FSDP2's; torch 2.15 with bf16 parameters and fp32
+    reduce raises its own ``grad_dtype`` RuntimeError instead, at compiled autograd's capture,
+    before any FSDP2 hook runs: the guard is not reached there, the run stops anyway).
+    Upstream: torchtitan issue 1708 ("FSDP + compiled autograd", closed, untested there);
+    PyTorch PRs 174863 and 174906 removed FSDP2's dynamo and compiled-autograd paths
+    (``compiled_autograd_enabled()``); NeMo Automodel's ``compiled_autograd_active()`` steps aside
+    in the same situation. No fix short of a traceable FSDP2: this is a guard.
 
 Torch versions
-    2.13 and 2.15 measured (no compiled-autograd path left in FSDP2); 2.14 read (the same).
-    2.12 read, not run (after PR 174906). Before it FSDP2 has its own compiled-autograd code
-    (``_fsdp_common.compiled_autograd_enabled``): not measured, left untouched (unsupported).
-    Any dtype, shape, mesh: the trigger is compiled autograd itself.
+    2.13 and 2.15 measured (no compiled-autograd path left in FSDP2); 2.14 read (the same); 2.12
+    read, not run (after PyTorch PR 174906). 2.6 - 2.11 read, not run: FSDP2 has its own
+    compiled-autograd path there, chosen by ``_fsdp_common.compiled_autograd_enabled()`` (a value
+    ``detect_compiled_autograd()`` caches at the forward, PyTorch PR 138187); with the forward
+    outside compiled autograd (``_enable`` around ``backward()`` only) it takes its eager path, the
+    bug above. Any dtype, shape, mesh: the trigger is compiled autograd itself.
 
 Needed here?
-    No module of FSDP2's backward (``_fsdp_common``, ``_fsdp_state``, ``_fsdp_param_group``,
-    ``_fsdp_param``) holds a global naming compiled autograd, neither target's bytecode names it,
-    and the root's ``_register_root_post_backward_final_callback`` queues its callback on the
-    eager engine (``queue_callback``) -> needed. FSDP2 that reads compiled autograd (older
-    releases, a future traceable FSDP2) -> unsupported. A target missing -> unsupported.
+    The root's ``_register_root_post_backward_final_callback`` queues its callback on the eager
+    engine (``queue_callback``), both targets exist, and the only names of FSDP2's backward modules
+    (``_fsdp_common``, ``_fsdp_state``, ``_fsdp_param_group``, ``_fsdp_param``: globals, and the
+    targets' bytecode) that mention compiled autograd are none (2.12+) or those of its own path
+    (``compiled_autograd_enabled``, ``detect_compiled_autograd``, ``_compiled_autograd_enabled``,
+    with ``compiled_autograd_enabled`` callable) -> needed. Any other such name (a future
+    traceable FSDP2) or a target missing -> unsupported.
 
 The guard
     Wrappers of ``FSDPState._pre_backward`` (the first FSDP2 code a backward runs) and of
@@ -41,8 +46,9 @@ The guard
     ``in_compiled_autograd_region`` is set (by the runtime wrapper around the compiled graph), and
     this thread's stack holds a frame of that module (the flag is process-wide: a threaded process
     group whose other thread runs compiled autograd must not stop this one's eager backward).
-    Otherwise one dictionary lookup and one attribute read per hook. Under compiled autograd the
-    hook is first reached while Dynamo traces the compiled-autograd graph (FSDP2's hooks are
+    An FSDP2 with its own compiled-autograd path that chose it (``compiled_autograd_enabled()``
+    True) is left to torch. Otherwise one dictionary lookup and one attribute read per hook.
+    Under compiled autograd the hook is first reached while Dynamo traces the compiled-autograd graph (FSDP2's hooks are
     ``_dynamo_disable``d, our wrapper is not): the stack walk breaks that graph, the hook then runs
     eagerly and raises. Every rank of the job runs the same backward, so each raises in the same
     place: no rank is left waiting in a collective. A forward compiled with ``torch.compile`` and
@@ -71,6 +77,10 @@ _REGION = "in_compiled_autograd_region"
 _BACKWARD_MODULES = ("_fsdp_common", "_fsdp_state", "_fsdp_param_group", "_fsdp_param")
 _STATE = f"{_compat.FSDP2_PACKAGE}._fsdp_state"
 _GROUP = f"{_compat.FSDP2_PACKAGE}._fsdp_param_group"
+_FINAL_CALLBACK = "_register_root_post_backward_final_callback"
+# What FSDP2 before PyTorch PR 174906 names its own compiled-autograd path by (PR 138187's cache).
+_OWN_PATH = "compiled_autograd_enabled"
+_OWN_PATH_NAMES = {_OWN_PATH, "detect_compiled_autograd", "_compiled_autograd_enabled"}
 _MAX_DEPTH = 400  # frames walked up from a hook: the runtime wrapper is a few dozen above it
 
 FOUND = (
@@ -87,34 +97,46 @@ REMEDY = (
 )
 
 
+def _names_of_compiled_autograd(modules: list, targets: list) -> set[str]:
+    """The names that mention compiled autograd among the modules' globals and the targets' bytecode."""
+    names = {name for module in modules for name in vars(module) if "compiled_autograd" in name}
+    for target in targets:
+        names.update(name for name in getattr(_compat.code_of(target), "co_names", ()) if "compiled_autograd" in name)
+    return names
+
+
 def _structural_check() -> Verdict:
     modules = [_compat.fsdp_module(name) for name in _BACKWARD_MODULES]
     state, group = modules[1].FSDPState, modules[2].FSDPParamGroup
-    for cls, method in ((state, "_pre_backward"), (state, "_register_root_post_backward_final_callback"),
-                        (group, "post_backward")):
-        if not callable(_compat.class_attr(cls, method)):
+    targets = []
+    for cls, method in ((state, "_pre_backward"), (state, _FINAL_CALLBACK), (group, "post_backward")):
+        target = _compat.class_attr(cls, method)
+        if not callable(target):
             return unsupported(f"{cls.__name__}.{method} is missing: torch left untouched")
-    reading = [
-        f"{module.__name__.rpartition('.')[2]}.{name}"
-        for module in modules for name in vars(module) if "compiled_autograd" in name
-    ]
-    reading += [
-        f"{cls.__name__}.{method}" for cls, method in ((state, "_pre_backward"), (group, "post_backward"))
-        if any("compiled_autograd" in name for name in getattr(_compat.code_of(_compat.class_attr(cls, method)),
-                                                                   "co_names", ()))
-    ]
-    if reading:
-        return unsupported(
-            f"this FSDP2 has its own compiled-autograd code ({', '.join(reading[:3])}): not measured, torch left "
-            "untouched"
-        )
-    if not _compat.reads_names(_compat.class_attr(state, "_register_root_post_backward_final_callback"),
-                               "queue_callback"):
+        targets.append(target)
+    if not _compat.reads_names(targets[1], "queue_callback"):
         return unsupported("the root no longer queues its final callback on the autograd engine: not measured")
-    return needed(
-        "FSDP2 has no compiled-autograd path: its post-backward runs from eager hooks and a final callback "
-        "queued on the eager autograd engine, which a compiled-autograd graph does not run"
+    names = _names_of_compiled_autograd(modules, [targets[0], targets[2]])
+    unknown = sorted(names - _OWN_PATH_NAMES)
+    if unknown or (names and not callable(getattr(modules[0], _OWN_PATH, None))):
+        return unsupported(
+            f"this FSDP2 reads compiled autograd in a way not measured ({', '.join(unknown or sorted(names))}): "
+            "torch left untouched"
+        )
+    eager = (
+        "FSDP2's eager backward runs from hooks and a final callback queued on the eager autograd engine, "
+        "which a compiled-autograd graph does not run"
     )
+    if names:
+        return needed(f"{eager}; its own compiled-autograd path (chosen by _fsdp_common.{_OWN_PATH}()) is left alone")
+    return needed(f"FSDP2 has no compiled-autograd path: {eager}")
+
+
+def _fsdp2_took_its_own_path() -> bool:
+    """An FSDP2 with its own compiled-autograd path (before PyTorch PR 174906) that chose it."""
+    common = sys.modules.get(f"{_compat.FSDP2_PACKAGE}._fsdp_common")
+    enabled = getattr(common, _OWN_PATH, None)
+    return callable(enabled) and bool(enabled())
 
 
 def in_compiled_autograd_graph() -> bool:
@@ -134,7 +156,7 @@ def in_compiled_autograd_graph() -> bool:
 
 
 def _stop_under_compiled_autograd(wrapped, instance, args, kwargs):
-    if in_compiled_autograd_graph():
+    if in_compiled_autograd_graph() and not _fsdp2_took_its_own_path():
         raise _events.stop(NAME, FOUND, REMEDY)
     return wrapped(*args, **kwargs)
 
@@ -148,8 +170,8 @@ PATCH = Patch(
     "torch._dynamo.config.compiled_autograd with the backward inside a compiled function)",
     upstream=("torchtitan issue 1708", "PyTorch PR 174906", "PyTorch PR 174863",
               "NeMo Automodel compiled_autograd_active()"),
-    # measured on 2.13 and 2.15; 2.14 read; 2.12 read from PR 174906, not run
-    affected=">=2.12,<2.16",
+    # measured on 2.13 and 2.15; 2.14 read; 2.6 - 2.12 read, not run (the eager path, see the docstring)
+    affected=">=2.6,<2.16",
     check=_structural_check,
     targets=(
         Wrap(f"{_STATE}:FSDPState._pre_backward", _stop_under_compiled_autograd),
