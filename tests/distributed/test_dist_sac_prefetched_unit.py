@@ -1,0 +1,131 @@
+"""sac_prefetched_unit: SAC over an FSDP2 unit unsharded before the region (2 gloo ranks).
+
+Scenario ``sac_prefetched_unit`` (``_sac_prefetched_unit_scenarios``): three ``Linear`` units and a
+root, the middle unit inside a selective-activation-checkpointing region; two SGD steps.
+
+* patch off: with ``l1.unshard()`` before the region, and with
+  ``l0.set_modules_to_forward_prefetch([l1])``, the first backward raises ``RuntimeError: ...
+  invocation index N encountered during backward but not found in storage. ...`` on every rank
+  (``profiler._record_function_enter_new.default``, index 2 and 3 on torch 2.13 and 2.15);
+* patch on: the gradients of both steps equal a one-process reference without checkpointing
+  (fp32: 1e-5), in those cases and in the silent variant (a save-every-op policy, no prefetch);
+  ``fired`` on every rank (each forward-hook call inside a SAC region is rerouted);
+* the control (no prefetch, a policy saving mm/addmm) gives bitwise the same gradients with the
+  patch off and on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _dist_checks as ck
+import _sac_prefetched_unit_scenarios as sac
+from _dist_launcher import RunResult, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+PATCH = "sac_prefetched_unit"
+BUG = "o"
+TRIGGERS = ("unshard", "prefetch")
+CORRECTED = ("unshard", "prefetch", "save_all")
+MESSAGE_START = "profiler._record_function_enter_new.default invocation index "
+MESSAGE_END = (
+    " encountered during backward but not found in storage. This can happen if the operations in the "
+    "checkpointed region are nondeterministic or depend on global state that changed between forward and backward."
+)
+
+
+@pytest.fixture(scope="module")
+def unpatched() -> RunResult:
+    return run_ranks("sac_prefetched_unit", env={ck.ENV[PATCH]: "0"})
+
+
+@pytest.fixture(scope="module")
+def patched() -> RunResult:
+    return run_ranks("sac_prefetched_unit")
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict[str, torch.Tensor]]:
+    return sac.reference_grads()
+
+
+def _steps(run: RunResult, case: str) -> list[dict[str, torch.Tensor]]:
+    """Each step's full gradients (``grad.full_tensor()``, the same on every rank)."""
+    for rank in run.ranks:
+        rec = rank.cases.get(case)
+        assert rec is not None and rec["error"] is None, (rank.rank, case, rec and rec["error"], run.describe())
+    first = run.ranks[0].cases[case]["steps"]
+    for rank in run.ranks[1:]:
+        for mine, theirs in zip(first, rank.cases[case]["steps"]):
+            assert all(torch.equal(mine[n], theirs[n]) for n in mine), (rank.rank, case)
+    return first
+
+
+def _index(error: dict | None) -> int | None:
+    """N of the SAC mismatch error, or None if ``error`` is not it."""
+    if error is None or error["type"] != "RuntimeError":
+        return None
+    message = error["message"]
+    if not (message.startswith(MESSAGE_START) and message.endswith(MESSAGE_END)):
+        return None
+    number = message[len(MESSAGE_START):-len(MESSAGE_END)]
+    return int(number) if number.isdigit() else None
+
+
+def test_unpatched(unpatched, reference):
+    """Both triggers raise SAC's mismatch in the first backward on every rank."""
+    assert not unpatched.timed_out, unpatched.describe()
+    indices = {case: [_index(ck.error_of(rank, case)) for rank in unpatched.ranks] for case in TRIGGERS}
+    if all(None not in found for found in indices.values()):
+        outcome = ck.ex.REPRODUCES
+        detail = "; ".join(f"{case}: RuntimeError ... invocation index {found[0]} ... not found in storage"
+                           for case, found in indices.items()) + " on every rank"
+    else:
+        errors = {case: [ck.error_of(rank, case) for rank in unpatched.ranks] for case in TRIGGERS}
+        assert all(e is None for found in errors.values() for e in found), errors
+        for case in TRIGGERS:
+            for step, grads in enumerate(_steps(unpatched, case)):
+                ck.assert_grads_match(grads, reference[step])
+        outcome, detail = ck.ex.FIXED, "both triggers train right without the plugin"
+    ck.expect_unpatched(BUG, outcome, detail, unpatched)
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+    if outcome == ck.ex.REPRODUCES:
+        for case, found in indices.items():
+            assert len(set(found)) == 1, (case, found)  # every rank at the same op
+
+
+def test_patched_registry(patched):
+    patched.assert_clean()
+    ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})
+    ck.assert_fired_where_applied(patched, PATCH)
+
+
+@pytest.mark.parametrize("case", CORRECTED)
+def test_patched_gradients_equal_the_reference(patched, reference, case):
+    patched.assert_clean()
+    if ck.EXPECTED_STATUS[PATCH] != "applied":
+        pytest.skip(f"{PATCH} is {ck.EXPECTED_STATUS[PATCH]} on this torch")
+    steps = _steps(patched, case)
+    assert len(steps) == sac.STEPS
+    for step, grads in enumerate(steps):
+        ck.assert_grads_match(grads, reference[step])
+    counts = [rank.cases[case]["fired"] for rank in patched.ranks]
+    assert all(count > 0 for count in counts), counts
+
+
+def test_control_is_bitwise_unchanged(unpatched, patched, reference):
+    """No prefetch, a policy naming only mm/addmm: the patch changes no bit of the gradients."""
+    off, on = _steps(unpatched, "control"), _steps(patched, "control")
+    for step in range(sac.STEPS):
+        assert set(off[step]) == set(on[step])
+        for name in off[step]:
+            assert torch.equal(off[step][name], on[step][name]), (step, name)
+        ck.assert_grads_match(on[step], reference[step])
+
+
+def test_patched_observed(patched, reference):
+    patched.assert_clean()
+    if ck.EXPECTED_STATUS[PATCH] == "applied":
+        ck.observe_patched(BUG, "unshard() and forward prefetch in a SAC region: 2 steps' grads equal the reference")
