@@ -8,7 +8,6 @@ and read the registry from ``sys.modules``, where the ``.pth`` file must already
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -23,9 +22,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO / "tests") not in sys.path:  # tests/expected.py: the per-release expectations
-    sys.path.insert(0, str(REPO / "tests"))
+for _folder in ("tests", "scripts"):  # tests/expected.py (the per-release expectations), scripts/_wheel.py
+    if str(REPO / _folder) not in sys.path:
+        sys.path.insert(0, str(REPO / _folder))
+import _wheel  # noqa: E402
 import expected as ex  # noqa: E402
+from _wrap_points import DEPTH, expected_wrappers, wrap_points  # noqa: E402,F401 (re-exported)
 
 # Which interpreter the venvs are made from and which torch goes into them. By default the test
 # runner's own interpreter and torch 2.13.0 (on this machine pip takes it from local disk, cp311
@@ -69,50 +71,8 @@ def statuses_with(**changes: str) -> dict[str, str]:
     return result
 
 
-# Every torch attribute a built-in patch wraps: its name in PATCH_POINTS -> (module under
-# torch.distributed.fsdp._fully_shard, class or None, attribute). The probe programs look them up
-# from here, so a new wrap point is spelled once.
-WRAP_POINTS = {
-    "FSDPParam.to_accumulated_grad_if_needed": ("_fsdp_param", "FSDPParam", "to_accumulated_grad_if_needed"),
-    "_fsdp_collectives.foreach_reduce": ("_fsdp_collectives", None, "foreach_reduce"),
-    "_fsdp_param_group.foreach_reduce": ("_fsdp_param_group", None, "foreach_reduce"),
-    "FSDPParamGroup.post_backward": ("_fsdp_param_group", "FSDPParamGroup", "post_backward"),
-    "FSDPState._root_post_backward_final_callback": ("_fsdp_state", "FSDPState", "_root_post_backward_final_callback"),
-    "_fsdp_init._get_post_forward_mesh_info": ("_fsdp_init", None, "_get_post_forward_mesh_info"),
-    "_fully_shard._get_post_forward_mesh_info": ("_fully_shard", None, "_get_post_forward_mesh_info"),
-    "_fsdp_state._register_group_forward_hooks": ("_fsdp_state", None, "_register_group_forward_hooks"),
-    "FSDPParam._setattr_on_modules": ("_fsdp_param", "FSDPParam", "_setattr_on_modules"),
-}
-
 # What the contract promises on this torch with nothing switched off.
 DEFAULT_STATUSES = statuses_with()
-# Which torch attributes each patch wraps (once each) when applied; several patches may wrap the
-# same attribute. The unused-param backport (< 2.13) wraps post_backward besides adding the setter.
-PATCH_POINTS = {
-    "accumulated_grad_guard": ("FSDPParam.to_accumulated_grad_if_needed",),
-    "unused_param_reduction": () if NATIVE_UNUSED_PARAM_API else ("FSDPParamGroup.post_backward",),
-    "uniform_reduce_dtype": ("_fsdp_collectives.foreach_reduce", "_fsdp_param_group.foreach_reduce"),
-    "restore_unused_param_grads": (
-        "FSDPParamGroup.post_backward",
-        "FSDPState._root_post_backward_final_callback",
-    ),
-    "post_forward_mesh_cache": ("_fsdp_init._get_post_forward_mesh_info", "_fully_shard._get_post_forward_mesh_info"),
-    "grouped_module_reuse": ("_fsdp_state._register_group_forward_hooks",),
-    "keep_param_attributes": ("FSDPParam._setattr_on_modules",),
-    "clip_grad_norm_multi_mesh": (),  # plain functools.wraps functions (dynamo traces them), not wrapt
-}
-
-
-def expected_wrappers(status: Mapping[str, str], missing: Sequence[str] = ()) -> dict[str, object]:
-    """How many wrappers each probed attribute carries given the registry ``status`` (one per applied
-    patch that wraps it); ``None`` for the attributes in ``missing``."""
-    expected: dict[str, object] = {}
-    for name, points in PATCH_POINTS.items():
-        for point in points:
-            expected[point] = expected.get(point, 0) + (status[name] == "applied")
-    expected.update({point: None for point in missing if point in expected})
-    return expected
-
 
 # Timeouts (seconds). Generous: other jobs share the 2 cores, and a first `import torch` in a
 # fresh venv also compiles torch's .pyc files.
@@ -121,7 +81,7 @@ T_TORCH = 240  # an interpreter that imports torch.distributed.fsdp
 T_VENV = 300  # python -m venv (runs ensurepip)
 T_PIP = 600  # pip install of small packages, editable builds
 T_PIP_TORCH = 1200  # pip install torch (a ~200 MB wheel from local disk; ~1 min for 4.7 GB from PyPI)
-T_BUILD = 600  # python -m build --wheel (isolated build env with hatchling)
+T_BUILD = 600  # python -m build --wheel (isolated build env with hatchling), pip wheel if that fails
 
 # Variables of the test runner's own environment that must not leak into the children.
 _DROP = {
@@ -290,15 +250,12 @@ class Venv:
 
 
 def build_wheel(project: Path, out: Path) -> Path:
-    """``project``'s wheel, built the way a release is built (isolated build env), into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    if importlib.util.find_spec("build") is not None:
-        cmd = [sys.executable, "-m", "build", "--wheel", "--outdir", out, project]
-    else:  # pragma: no cover - the `test` extra brings `build`
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", out, project]
-    run(cmd, timeout=T_BUILD, check=True)
-    (built,) = out.glob("*.whl")
-    return built
+    """``project``'s wheel, built the way a release is built (isolated build env), into ``out``
+    (``scripts/_wheel.py``, the builder the scripts share; its failure is the test's)."""
+    try:
+        return _wheel.build_wheel(out, project=project, timeout=T_BUILD, env=clean_env())
+    except _wheel.WheelBuildFailed as error:
+        pytest.fail(str(error), pytrace=False)
 
 
 def json_from(result: subprocess.CompletedProcess) -> object:
@@ -320,24 +277,23 @@ plugin = sys.modules.get("fsdp_autopatch")
 wrapt_loaded = "wrapt" in sys.modules  # only the plugin's hook imports wrapt
 import importlib
 def attribute(module, owner, name):
-    found = importlib.import_module("torch.distributed.fsdp._fully_shard." + module)
-    return vars(getattr(found, owner) if owner else found)[name]
+    found = importlib.import_module(module)
+    if owner is None:
+        return vars(found)[name]
+    for part in owner.split("."):
+        found = getattr(found, part)
+    return next(vars(klass)[name] for klass in found.__mro__ if name in vars(klass))
 points = {{name: attribute(*where) for name, where in {wrap_points}.items()}}
-# torch itself decorates some of these (functools.wraps sets __wrapped__), so "patched" means
-# "is a wrapt FunctionWrapper", which torch never uses.
+# "patched" counts our wrappers only (wrapt's, and our plain replacements: see _wrap_points.DEPTH)
 import wrapt
-def wrapper_depth(obj):
-    depth = 0
-    while isinstance(obj, wrapt.FunctionWrapper):
-        depth, obj = depth + 1, obj.__wrapped__
-    return depth
+{depth}
 guard = points["FSDPParam.to_accumulated_grad_if_needed"]
 print(json.dumps({{
     "loaded": plugin is not None,
     "file": getattr(plugin, "__file__", None),
     "wrapt_loaded": wrapt_loaded,
     "status": plugin.status().to_dict() if plugin is not None else None,
-    "patched": {{name: wrapper_depth(obj) for name, obj in points.items()}},
+    "patched": {{name: _depth(obj) for name, obj in points.items()}},
     "guard_has___wrapped__": hasattr(guard, "__wrapped__"),
 }}))
 '''
@@ -345,7 +301,7 @@ print(json.dumps({{
 
 def probe_code(pre: str = "") -> str:
     """The probe program; ``pre`` runs before torch is imported (what a launcher might do)."""
-    return PROBE.format(pre=textwrap.dedent(pre), wrap_points=repr(WRAP_POINTS))
+    return PROBE.format(pre=textwrap.dedent(pre), wrap_points=repr(wrap_points()), depth=DEPTH)
 
 
 def statuses(report: Mapping) -> dict[str, str]:

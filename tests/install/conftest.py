@@ -27,6 +27,7 @@ HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+import _wrap_points  # noqa: E402
 from _install_support import (  # noqa: E402
     REPO,
     T_PIP_TORCH,
@@ -80,6 +81,7 @@ def torch_venv(_bare_venvs: dict[str, Future], wheel: Path) -> Venv:
     # the expectations are TORCH_RELEASE's (tests/expected.py): the venv must hold that release
     installed = warm.stdout.split()[-1]
     assert ex.release_of(installed) == TORCH_RELEASE, f"{TORCH_REQUIREMENT!r} installed torch {installed}"
+    _wrap_points.learn(venv, timeout=T_TORCH)  # where the patches wrap this torch (the probes' points)
     return venv
 
 

@@ -38,11 +38,11 @@ import pytest
 
 from _install_support import (
     DEFAULT_STATUSES,
+    DEPTH,
     NATIVE_UNUSED_PARAM_API,
     PATCH_NAMES,
     T_PY,
     T_TORCH,
-    WRAP_POINTS,
     Venv,
     base_python,
     clean_env,
@@ -53,6 +53,7 @@ from _install_support import (
     run,
     statuses,
     statuses_with,
+    wrap_points,
 )
 
 # Generous: the first test to use the shared torch venv also builds the wheel and installs torch.
@@ -75,26 +76,23 @@ except Exception as exc:  # only FSDP_AUTOPATCH_STRICT=1 may get here
 print(json.dumps(state(error)))
 '''
 
-# Shared by every program (also the DataLoader workers): what this process looks like. It never
-# imports wrapt or fsdp_autopatch itself: it reads what the .pth put into sys.modules.
+
+def state_code() -> str:
+    """Source of ``state()``, shared by every program (also the DataLoader workers): what this
+    process looks like. It never imports wrapt or fsdp_autopatch itself: it reads what the .pth put
+    into sys.modules. The points are this torch's (``_wrap_points``; learned with ``torch_venv``)."""
+    return STATE.replace("_POINTS = None", f"_POINTS = {wrap_points()!r}").replace("# DEPTH", DEPTH)
+
+
 STATE = r'''
 import sys as _sys
 
-_POINTS = ''' + repr(WRAP_POINTS) + r'''
-
-
-def _depth(obj):
-    """How many wrapt FunctionWrappers sit around obj (torch itself never uses wrapt; without a
-    working wrapt in sys.modules nothing can be wrapped)."""
-    wrapper_type = getattr(_sys.modules.get("wrapt"), "FunctionWrapper", None)
-    depth = 0
-    while wrapper_type is not None and isinstance(obj, wrapper_type):
-        depth, obj = depth + 1, obj.__wrapped__
-    return depth
+_POINTS = None
+# DEPTH
 
 
 def _point(module, owner, attribute):
-    found = _sys.modules.get("torch.distributed.fsdp._fully_shard." + module)
+    found = _sys.modules.get(module)
     if found is not None and owner is not None:
         found = vars(found).get(owner)
     obj = vars(found).get(attribute) if found is not None else None
@@ -110,6 +108,8 @@ def state(error=None):
         "error": error,
         "report": plugin.status().to_dict() if plugin is not None else None,
         "patched": {name: _point(*where) for name, where in _POINTS.items()},
+        # points in modules not (or no longer) loaded: a failed import of FSDP2 drops its packages
+        "unloaded": sorted(name for name, where in _POINTS.items() if where[0] not in _sys.modules),
         "triggers": sum(f is boot._TorchImportTrigger for f in _sys.meta_path) if boot else 0,
         "wrapt_loaded": "wrapt" in _sys.modules,
     }
@@ -127,7 +127,7 @@ def py(venv: Venv, code: str, *, env: dict | None = None, flags: tuple = (), tim
 
 
 def program(pre: str = "", post: str = "", watchdog: int = WATCHDOG) -> str:
-    return STATE + PROGRAM.format(pre=textwrap.dedent(pre), post=textwrap.dedent(post), watchdog=watchdog)
+    return state_code() + PROGRAM.format(pre=textwrap.dedent(pre), post=textwrap.dedent(post), watchdog=watchdog)
 
 
 def result_of(result: subprocess.CompletedProcess, *, allow_warnings: bool = False) -> dict:
@@ -144,9 +144,11 @@ def result_of(result: subprocess.CompletedProcess, *, allow_warnings: bool = Fal
 
 def assert_patched_as_registered(data: dict, *, missing: tuple = ()) -> None:
     """Each torch attribute carries one wrapper per applied patch that replaces it, and no other;
-    ``missing`` are the attributes the fault renamed away."""
+    ``missing`` are the attributes the fault renamed away; where the import of FSDP2 failed
+    (``FSDP_AUTOPATCH_STRICT=1``), also those in the modules it dropped from ``sys.modules``."""
     status = statuses(data["report"])
-    assert data["patched"] == expected_wrappers(status, missing), (status, data["patched"])
+    gone = (*missing, *(data["unloaded"] if data["error"] else ()))
+    assert data["patched"] == expected_wrappers(status, gone), (status, data["patched"])
 
 
 def expect(**changes: str) -> dict:
@@ -254,7 +256,7 @@ def batch(torch_venv: Venv) -> dict:
 # --- the internals a patch wraps renamed, or with another signature ------------------------------
 
 # Each fault: (the FSDP2 submodule whose import it follows, its code, the env, expected statuses,
-# the attributes it renames away, what the reason of the affected patch says).
+# the attributes (or owners) it renames away, what the reason of the affected patch says).
 P = "torch.distributed.fsdp._fully_shard."
 INTERNALS = {
     "guard-method-renamed": (
@@ -314,7 +316,7 @@ INTERNALS = {
         """,
         {},
         expect(unused_param_reduction="unsupported", restore_unused_param_grads="unsupported"),
-        ("FSDPParamGroup.post_backward",),
+        ("FSDPParamGroup",),  # every FSDPParamGroup.* point
         {
             "unused_param_reduction": "torch internals differ: AttributeError",
             "restore_unused_param_grads": "torch internals differ: AttributeError",
@@ -328,7 +330,7 @@ INTERNALS = {
         """,
         {"FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS": "1"},
         expect(unused_param_reduction="unsupported", restore_unused_param_grads="unsupported"),
-        ("FSDPParamGroup.post_backward",),
+        ("FSDPParamGroup",),  # every FSDPParamGroup.* point
         {"unused_param_reduction": "torch internals differ: AttributeError"},
     ),
 }
@@ -502,7 +504,7 @@ def test_dash_S_then_install(torch_venv: Venv, order: str) -> None:
 
 # --- DataLoader workers under spawn --------------------------------------------------------------
 
-DATALOADER = STATE + r'''
+DATALOADER = r'''
 import json
 import torch
 import torch.distributed.fsdp  # also runs in every spawned worker (it re-imports this file)
@@ -533,7 +535,7 @@ if __name__ == "__main__":
 
 def test_dataloader_workers_under_spawn(torch_venv: Venv, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(DATALOADER.replace("WATCHDOG", str(WATCHDOG)))
+    script.write_text(state_code() + DATALOADER.replace("WATCHDOG", str(WATCHDOG)))
     result = run([torch_venv.python, script], env=clean_env(TORCH_NOISE), timeout=T_TORCH, cwd=tmp_path)
     data = result_of(result)
     parent, workers = data["parent"], data["workers"]

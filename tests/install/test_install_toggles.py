@@ -42,17 +42,10 @@ class Case(NamedTuple):
     pre: str = ""  # code the program runs before importing torch
 
 
-# Booleans are spelled differently on purpose: 1/true/yes/on, 0/false/no/off, any case, stripped.
-OFF_SPELLINGS = {
-    "accumulated_grad_guard": "0",
-    "unused_param_reduction": "false",
-    "uniform_reduce_dtype": "No",
-    "restore_unused_param_grads": " off ",
-    "post_forward_mesh_cache": "FALSE",
-    "grouped_module_reuse": "oFf",
-    "keep_param_attributes": " 0",
-    "clip_grad_norm_multi_mesh": "NO ",
-}
+# Booleans are spelled differently on purpose: 1/true/yes/on, 0/false/no/off, any case, stripped;
+# the patches take them in turn (the catalogue's order), so a new patch gets one too.
+OFF_VALUES = ("0", "false", "No", " off ", "FALSE", "oFf", " 0", "NO ")
+OFF_SPELLINGS = {name: OFF_VALUES[i % len(OFF_VALUES)] for i, name in enumerate(PATCH_NAMES)}
 
 CASES = {
     **{f"off:{name}": Case({var(name): OFF_SPELLINGS[name]}) for name in PATCH_NAMES},
