@@ -151,7 +151,7 @@ class _Probe:
 
 def _set_variant(variant: str, case: str, native_fill: bool) -> None:
     from fsdp_autopatch import _activate, _compat
-    from fsdp_autopatch.patches import FIXES
+    from fsdp_autopatch.patches import PATCH_NAMES as FIXES
 
     _activate.revert_all()
     if variant == "off":

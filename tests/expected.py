@@ -35,6 +35,12 @@ PATCHES = (
     "keep_param_attributes",
     "clip_grad_norm_multi_mesh",
     "fsdp_module_abc_layout",
+    "optimizer_unsharded_params_guard",  # a guard (kind GUARD)
+    "gradient_divide_factor_single_rank",
+    "compiled_autograd_guard",  # a guard (kind GUARD)
+    "inplace_view_output",
+    "stale_backward_recovery",
+    "sac_prefetched_unit",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -47,6 +53,12 @@ BUG_OF = {
     "keep_param_attributes": "g",
     "clip_grad_norm_multi_mesh": "h",
     "fsdp_module_abc_layout": "i",
+    "optimizer_unsharded_params_guard": "k",  # PyTorch issue 149205
+    "gradient_divide_factor_single_rank": "j",  # PyTorch issue 155903
+    "compiled_autograd_guard": "l",  # torchtitan issue 1708
+    "inplace_view_output": "m",  # PyTorch issue 181832
+    "stale_backward_recovery": "n",  # torchtitan issue 1329, composer PR 3866 (no upstream issue)
+    "sac_prefetched_unit": "o",  # NeMo Automodel issue 3958, torchtitan issue 3427
 }
 
 OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
@@ -109,6 +121,14 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "clip_grad_norm_multi_mesh": "applied",
         # every FSDP2 release builds type("FSDP<Name>", (FSDPModule, cls)) and caches it in cls_to_fsdp_cls
         "fsdp_module_abc_layout": "applied",
+        "optimizer_unsharded_params_guard": "applied",  # root unsharded after forward: measured 2.13/2.15, read 2.6+
+        "gradient_divide_factor_single_rank": "applied" if release >= (2, 13) else "not_needed",  # (j)
+        "compiled_autograd_guard": "applied",  # (l) FSDP2's eager backward queues an engine callback (2.6-2.15)
+        "inplace_view_output": "applied",  # (m) a tensor hook per output: measured 2.13/2.15, read 2.6-2.12
+        # (n) measured 2.13/2.15, 2.14 not run; < 2.13: no FSDPState._reset_iter_state to recover with
+        "stale_backward_recovery": "applied" if release >= (2, 13) else "unsupported",
+        # (o) measured 2.13/2.15, 2.14 not read; < 2.13: FIFO-replay SAC (read 2.8.0; 2.9-2.12 not read)
+        "sac_prefetched_unit": "applied" if release >= (2, 13) else "unsupported",
     }
 
 
@@ -145,6 +165,17 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (i) measured on 2.13 and 2.15 (TypeError at the first fully_shard of an ABC-first class);
         # read, not run, on 2.6 - 2.12: the same class swap (CPython's layout rule, any Python)
         "i": REPRODUCES,
+        "k": REPRODUCES,  # (k) measured 2.13, 2.15: the root's head never moves in 3 SGD steps; read 2.6-2.12, 2.14
+        "j": REPRODUCES if release >= (2, 13) else FIXED,  # (j) measured 2.13, 2.15 (grads / f**2); read, not run, else
+        "l": REPRODUCES,  # (l) measured 2.13, 2.15; read, not run, 2.6-2.12, 2.14 (the eager path under CA)
+        "m": REPRODUCES,  # (m) measured 2.13, 2.15 (setStorage: view + mul_); read, not run, 2.6-2.12; 2.14 inferred
+        # (n) measured 2.13, 2.15 (0 of 6 grads after a failed backward); before 2.13 the patch is
+        # unsupported (no FSDPState._reset_iter_state): it claims nothing there, the matrix records
+        "n": REPRODUCES if release >= (2, 13) else NOT_MEASURED,
+        # (o) measured 2.13, 2.15 (invocation index 2 / 3 on every rank); 2.14 not run. Before 2.13 the
+        # patch is unsupported (FIFO-replay SAC) and claims nothing: 2.8.0 measured right for these
+        # cases (docs/troubleshooting.md), 2.9 - 2.12 not run
+        "o": REPRODUCES if release >= (2, 13) else NOT_MEASURED,
     }
 
 

@@ -6,21 +6,32 @@ into site-packages. At interpreter start it arms a cheap, stdlib-only trigger; w
 switchable by an environment variable, and a registry records what happened:
 
 .. generated: patches
-* ``accumulated_grad_guard``     – a unit that never ran forward does not crash post-backward.
-* ``unused_param_reduction``     – `FSDPModule.set_reduce_scatter_unused_params` on torch < 2.13.
-* ``uniform_reduce_dtype``       – mixed-precision gradient accumulation does not trip "FSDP reduce-scatter expects
-                                   uniform gradient dtype".
-* ``restore_unused_param_grads`` – a parameter that no rank used keeps `grad is None`.
-* ``post_forward_mesh_cache``    – units with the same mesh and an integer reshard_after_forward share one post-forward
-                                   mesh.
-* ``grouped_module_reuse``       – a grouped unit's module called again in the root's forward (MTP head) keeps its
-                                   weights for backward.
-* ``keep_param_attributes``      – attributes set on a parameter (`p.no_weight_decay = True`) are still there after
-                                   `fully_shard`.
-* ``clip_grad_norm_multi_mesh``  – clip_grad_norm_ works over gradients on several DeviceMeshes (experts + dense, HSDP +
-                                   1-D).
-* ``fsdp_module_abc_layout``     – fully_shard works on a module class that lists abc.ABC first (`class Model(abc.ABC,
-                                   nn.Module)`).
+* ``accumulated_grad_guard``             – a unit that never ran forward does not crash post-backward.
+* ``unused_param_reduction``             – `FSDPModule.set_reduce_scatter_unused_params` on torch < 2.13.
+* ``uniform_reduce_dtype``               – mixed-precision gradient accumulation does not trip "FSDP reduce-scatter
+                                           expects uniform gradient dtype".
+* ``restore_unused_param_grads``         – a parameter that no rank used keeps `grad is None`.
+* ``post_forward_mesh_cache``            – units with the same mesh and an integer reshard_after_forward share one
+                                           post-forward mesh.
+* ``grouped_module_reuse``               – a grouped unit's module called again in the root's forward (MTP head) keeps
+                                           its weights for backward.
+* ``keep_param_attributes``              – attributes set on a parameter (`p.no_weight_decay = True`) are still there
+                                           after `fully_shard`.
+* ``clip_grad_norm_multi_mesh``          – clip_grad_norm_ works over gradients on several DeviceMeshes (experts +
+                                           dense, HSDP + 1-D).
+* ``fsdp_module_abc_layout``             – fully_shard works on a module class that lists abc.ABC first (`class
+                                           Model(abc.ABC, nn.Module)`).
+* ``optimizer_unsharded_params_guard``   – an optimizer holding FSDP2's unsharded parameters stops at its first step
+                                           instead of never training them.
+* ``gradient_divide_factor_single_rank`` – set_gradient_divide_factor divides once on a one-rank shard group (HSDP (N,
+                                           1)) on the sum paths.
+* ``compiled_autograd_guard``            – a backward under compiled autograd stops at its first FSDP2 hook instead of
+                                           skipping the reduce-scatter.
+* ``inplace_view_output``                – a unit's output view modified in place by the caller (`logits.div_(T)`) still
+                                           unshards for backward.
+* ``stale_backward_recovery``            – the step after a backward that raised trains as if its batch was never seen.
+* ``sac_prefetched_unit``                – an FSDP2 unit unshard()ed or forward-prefetched before a
+                                           selective-checkpointing region trains.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

@@ -66,6 +66,12 @@ ENTRIES = (
     Entry("keep_param_attributes"),
     Entry("clip_grad_norm_multi_mesh"),
     Entry("fsdp_module_abc_layout"),
+    Entry("optimizer_unsharded_params_guard", GUARD),
+    Entry("gradient_divide_factor_single_rank"),
+    Entry("compiled_autograd_guard", GUARD),
+    Entry("inplace_view_output"),
+    Entry("stale_backward_recovery"),
+    Entry("sac_prefetched_unit"),  # after stale_backward_recovery (Patch.after)
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
     Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True),
 )

@@ -275,7 +275,7 @@ def run_phase(ctx: sc.Ctx, case: Case, injector: Injector | None, phase: str) ->
 def run_case(ctx: sc.Ctx, name: str, phases: list[str], strict: bool) -> dict[str, Any]:
     from fsdp_autopatch import _isolation, _patching
     from fsdp_autopatch._registry import REGISTRY
-    from fsdp_autopatch.patches import FIXES
+    from fsdp_autopatch.patches import PATCH_NAMES as FIXES
 
     case = CASES[name]
     if case.patch in FIXES and not _patching.is_applied(case.patch):  # nothing to make fail here

@@ -29,12 +29,12 @@ def test_generated_blocks_match_the_declarations():
 
 def test_the_oracle_lists_the_catalogues_patches_in_order():
     import expected
-    from fsdp_autopatch.patches import FIXES
+    from fsdp_autopatch.patches import PATCH_NAMES
 
-    assert tuple(expected.PATCHES) == FIXES
+    assert tuple(expected.PATCHES) == PATCH_NAMES  # fixes and guards
 
 
-@pytest.mark.parametrize("name", __import__("fsdp_autopatch.patches", fromlist=["FIXES"]).FIXES)
+@pytest.mark.parametrize("name", __import__("fsdp_autopatch.patches", fromlist=["PATCH_NAMES"]).PATCH_NAMES)
 def test_every_patch_has_a_page_and_a_well_formed_declaration(name):
     from fsdp_autopatch.patches import load_patch
 

@@ -27,12 +27,12 @@ import time
 
 import pytest
 
-from fsdp_autopatch.patches import FIXES
+from fsdp_autopatch.patches import PATCH_NAMES
 
 pytestmark = pytest.mark.timeout(300)
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "src"))
-PATCH_NAMES = FIXES  # the catalogue, standard library only
+# PATCH_NAMES: the catalogue's fixes and guards, standard library only
 ALL = frozenset(PATCH_NAMES)
 
 FAKE_TORCH = {
