@@ -139,15 +139,19 @@ def class_attr(cls: type, name: str) -> Any:
     return None
 
 
-def code_of(func: Any) -> Any:
-    """The code object of the innermost function behind wrappers (wrapt, functools.wraps,
-    ``torch._dynamo.disable``), or None."""
+def innermost(func: Any) -> Any:
+    """Torch's function behind any wrappers (wrapt, functools.wraps, ``torch._dynamo.disable``)."""
     for _ in range(10):
         inner = getattr(func, "__wrapped__", None)
         if inner is None:
             break
         func = inner
-    return getattr(func, "__code__", None)
+    return func
+
+
+def code_of(func: Any) -> Any:
+    """The code object of the innermost function behind wrappers, or None."""
+    return getattr(innermost(func), "__code__", None)
 
 
 def reads_names(func: Any, *names: str) -> bool:

@@ -16,7 +16,7 @@ from fsdp_autopatch.patches import gradient_divide_factor_single_rank as patch  
 
 
 def torch_factors():
-    return patch._torch_function(_compat.fsdp_module("_fsdp_collectives")._get_gradient_divide_factors)
+    return _compat.innermost(_compat.fsdp_module("_fsdp_collectives")._get_gradient_divide_factors)
 
 
 class TwoRanks:

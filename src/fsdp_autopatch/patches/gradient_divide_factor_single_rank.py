@@ -85,15 +85,6 @@ COPIES = "the one-rank copy does not divide"
 NO_BRANCH = "foreach_reduce reduce-scatters on every group size"
 
 
-def _torch_function(func: Any) -> Any:
-    """Torch's function behind any wrappers (wrapt, functools.wraps)."""
-    for _ in range(10):
-        inner = getattr(func, "__wrapped__", None)
-        if inner is None:
-            break
-        func = inner
-    return func
-
 
 def _names_called(node: ast.AST) -> set[str]:
     called = set()
@@ -144,7 +135,7 @@ def _factors_at_one_rank(function: Any) -> float:
 
 def _structural_check() -> Verdict:
     module = _compat.fsdp_module(_MODULE)
-    foreach_reduce = _torch_function(module.foreach_reduce)
+    foreach_reduce = _compat.innermost(module.foreach_reduce)
     try:
         source = inspect.getsource(foreach_reduce)
     except (OSError, TypeError):
@@ -154,7 +145,7 @@ def _structural_check() -> Verdict:
         return unsupported("foreach_reduce has no reduce-scatter call, or a one-rank branch of another shape")
     if branch != DIVIDES:
         return not_needed(f"{branch}: a custom factor is divided once (pre/post only)", conclusive=True)
-    function = _torch_function(getattr(module, _FUNCTION))
+    function = _compat.innermost(getattr(module, _FUNCTION))
     parameters = inspect.signature(function).parameters
     missing = [name for name in (*_READS, "force_sum_reduction_for_comms") if name not in parameters]
     if missing:

@@ -83,14 +83,6 @@ ON_TENSOR = "on the output tensor"
 ON_BASE = "on the output's base"
 
 
-def _torch_function(func: Any) -> Any:
-    for _ in range(10):
-        inner = getattr(func, "__wrapped__", None)
-        if inner is None:
-            break
-        func = inner
-    return func
-
 
 def _hooked_receivers(source: str) -> set[str]:
     """Where ``<x>.register_hook(self._pre_backward)`` calls in ``source`` put the hook."""
@@ -121,7 +113,7 @@ def _structural_check() -> Verdict:
     if not _compat.reads_names(pre_backward, "_training_state", "PRE_BACKWARD"):
         return unsupported(f"FSDPState.{_HOOK} does not set _training_state to PRE_BACKWARD: torch left untouched")
     try:
-        receivers = _hooked_receivers(inspect.getsource(_torch_function(register)))
+        receivers = _hooked_receivers(inspect.getsource(_compat.innermost(register)))
     except (OSError, TypeError, SyntaxError):
         return unsupported(f"FSDPState.{_REGISTER}'s source is not available: torch left untouched")
     if ON_BASE in receivers:
