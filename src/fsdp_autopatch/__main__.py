@@ -12,7 +12,16 @@ def main(argv=None):
         from ._cli import main as cli_main
     except Exception as error:
         return _report_broken_package(error)
-    return cli_main(argv)
+    try:
+        return cli_main(argv)
+    except BrokenPipeError:
+        # `fsdp-autopatch doctor | head -1`: the reader left before the verdict was written. Exit
+        # as a shell tool killed by SIGPIPE does (128 + 13), not 1 ("not protected"), and without a
+        # traceback; stdout goes to devnull so the interpreter's final flush is quiet.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _report_broken_package(error):

@@ -175,11 +175,15 @@ def _held_by(value: Any) -> list[tuple[str, Any]]:
 def describe(planned: Iterable[tuple[Any, str, Any]], patch_name: str = "") -> str:
     """``FSDPParam.to_accumulated_grad_if_needed, FSDPParamGroup.post_backward (over
     unused_param_reduction's wrapper)``: what is replaced, and which earlier patches it composes with."""
+    planned = list(planned)
+    shorts = [f"{_short_name(owner)}.{attribute}" for owner, attribute, _ in planned]
     parts = []
-    for owner, attribute, _ in planned:
+    for (owner, attribute, _), short in zip(planned, shorts):
         others = [name for name in holders(owner, attribute) if name != patch_name]
         over = f" (over {', '.join(others)}'s wrapper)" if others else ""
-        parts.append(f"{_short_name(owner)}.{attribute}{over}")
+        # the package _fully_shard and its module _fully_shard: two sites, one short name
+        shown = short if shorts.count(short) == 1 else f"{getattr(owner, '__name__', short)}.{attribute}"
+        parts.append(f"{shown}{over}")
     return ", ".join(parts)
 
 

@@ -91,3 +91,20 @@ def test_diagnose_ends_with_the_hints(monkeypatch):
     findings = _doctor.diagnose()
     assert findings[-1].level == _doctor.HINT
     assert [f.level for f in findings].count(_doctor.HINT) == 1
+
+
+def test_a_reader_that_leaves_early_does_not_turn_doctor_into_a_failure():
+    """`fsdp-autopatch doctor | head -1` under `set -o pipefail`: exit 1 would read "not protected"."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written: every write breaks the pipe
+    try:
+        result = subprocess.run([sys.executable, "-m", "fsdp_autopatch", "doctor"], stdout=write_end,
+                                stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    # 141: as a shell tool killed by SIGPIPE; never 1, doctor's "not protected"
+    assert result.returncode == 141 and b"BrokenPipeError" not in result.stderr, result.stderr.decode()[-2000:]

@@ -164,7 +164,7 @@ def _stop_under_compiled_autograd(wrapped, instance, args, kwargs):
 PATCH = Patch(
     name=NAME,
     summary="a backward under compiled autograd stops at its first FSDP2 hook instead of skipping the reduce-scatter",
-    symptom="silent: no reduce-scatter after the first backward, the ranks' weights drift from eager FSDP2's "
+    symptom="silent: (almost) no reduce-scatter after the first backward, the ranks' weights drift from eager FSDP2's "
     "(torch 2.15 with bf16 parameters: its own grad_dtype RuntimeError at the first backward)",
     trigger="torch._dynamo.compiled_autograd around backward() (compiled_autograd._enable, or "
     "torch._dynamo.config.compiled_autograd with the backward inside a compiled function)",
