@@ -122,7 +122,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # every FSDP2 release builds type("FSDP<Name>", (FSDPModule, cls)) and caches it in cls_to_fsdp_cls
         "fsdp_module_abc_layout": "applied",
         "optimizer_unsharded_params_guard": "applied",  # root unsharded after forward: measured 2.13/2.15, read 2.6+
-        "gradient_divide_factor_single_rank": "applied" if release >= (2, 13) else "not_needed",  # (j)
+        # (j) the one-rank copy divides by the factor: measured 2.12, 2.13, 2.15; read as absent before
+        "gradient_divide_factor_single_rank": "applied" if release >= (2, 12) else "not_needed",
         "compiled_autograd_guard": "applied",  # (l) FSDP2's eager backward queues an engine callback (2.6-2.15)
         "inplace_view_output": "applied",  # (m) a tensor hook per output: measured 2.13/2.15, read 2.6-2.12
         # (n) measured 2.13/2.15, 2.14 not run; < 2.13: no FSDPState._reset_iter_state to recover with
@@ -166,7 +167,8 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # read, not run, on 2.6 - 2.12: the same class swap (CPython's layout rule, any Python)
         "i": REPRODUCES,
         "k": REPRODUCES,  # (k) measured 2.13, 2.15: the root's head never moves in 3 SGD steps; read 2.6-2.12, 2.14
-        "j": REPRODUCES if release >= (2, 13) else FIXED,  # (j) measured 2.13, 2.15 (grads / f**2); read, not run, else
+        # (j) measured 2.12, 2.13, 2.15 (grads / f**2: |ref|/|grad| 4.0000 fp32, 3.9996 fp16); read, not run, before
+        "j": REPRODUCES if release >= (2, 12) else FIXED,
         "l": REPRODUCES,  # (l) measured 2.13, 2.15; read, not run, 2.6-2.12, 2.14 (the eager path under CA)
         "m": REPRODUCES,  # (m) measured 2.13, 2.15 (setStorage: view + mul_); read, not run, 2.6-2.12; 2.14 inferred
         # (n) measured 2.13, 2.15 (0 of 6 grads after a failed backward); before 2.13 the patch is

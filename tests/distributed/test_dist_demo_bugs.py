@@ -31,6 +31,8 @@ def _demo_bug(name: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", BUGS)
 def test_demo_bug_shows_the_failure_then_the_right_value(name):
+    if ck.EXPECTED_STATUS.get(name) == "unsupported":
+        pytest.skip(f"{name} is unsupported on this torch: torch left untouched, the demo shows the bug both times")
     run = _demo_bug(name)
     out = run.stdout
     assert run.returncode == 0, f"exit {run.returncode}\n{out}\n{run.stderr[-3000:]}"
