@@ -124,7 +124,9 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "optimizer_unsharded_params_guard": "applied",  # root unsharded after forward: measured 2.13/2.15, read 2.6+
         # (j) the one-rank copy divides by the factor: measured 2.12, 2.13, 2.15; read as absent before
         "gradient_divide_factor_single_rank": "applied" if release >= (2, 12) else "not_needed",
-        "compiled_autograd_guard": "applied",  # (l) FSDP2's eager backward queues an engine callback (2.6-2.15)
+        # (l) FSDP2 without a compiled-autograd path of its own (2.12 on, PyTorch PR 174906): measured
+        # 2.13/2.15; with one (2.8 measured; 2.9 - 2.11 read, not run) torch raises itself: not needed
+        "compiled_autograd_guard": "applied" if release >= (2, 12) else "not_needed",
         "inplace_view_output": "applied",  # (m) a tensor hook per output: measured 2.13/2.15, read 2.6-2.12
         # (n) measured 2.13/2.15, 2.14 not run; < 2.13: no FSDPState._reset_iter_state to recover with
         "stale_backward_recovery": "applied" if release >= (2, 13) else "unsupported",
@@ -169,7 +171,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         "k": REPRODUCES,  # (k) measured 2.13, 2.15: the root's head never moves in 3 SGD steps; read 2.6-2.12, 2.14
         # (j) measured 2.12, 2.13, 2.15 (grads / f**2: |ref|/|grad| 4.0000 fp32, 3.9996 fp16); read, not run, before
         "j": REPRODUCES if release >= (2, 12) else FIXED,
-        "l": REPRODUCES,  # (l) measured 2.13, 2.15; read, not run, 2.6-2.12, 2.14 (the eager path under CA)
+        # (l) measured 2.13, 2.15 (silent drift); 2.8: torch's own CA path raises (queue_callback ...
+        # fullgraph=True); 2.9 - 2.11 read, not run; 2.12 read (no CA path since PR 174906)
+        "l": REPRODUCES if release >= (2, 12) else FIXED,
         "m": REPRODUCES,  # (m) measured 2.13, 2.15 (setStorage: view + mul_); read, not run, 2.6-2.12; 2.14 inferred
         # (n) measured 2.13, 2.15 (0 of 6 grads after a failed backward); before 2.13 the patch is
         # unsupported (no FSDPState._reset_iter_state): it claims nothing there, the matrix records

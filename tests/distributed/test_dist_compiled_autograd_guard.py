@@ -98,6 +98,12 @@ def test_unpatched(unpatched):
     assert not unpatched.timed_out, unpatched.describe()
     eager = full_weights(unpatched, "eager")
     assert_equals_reference(eager)
+    raised = [ck.error_of(rank, "compiled_autograd") for rank in unpatched.ranks]
+    if all(error is not None for error in raised):  # torch stops the run itself (2.8: FSDP2's own CA path)
+        detail = f"torch raised {raised[0]['type']}: {raised[0]['message'][:160]}"
+        ck.expect_unpatched(BUG, ck.ex.FIXED, detail, unpatched)
+        ck.assert_registry_with_disabled(unpatched, PATCH)
+        return
     fp32 = full_weights(unpatched, "compiled_autograd")
     off, moved = drift(fp32, eager), drift(fp32, initial_weights())
     reduces = [rank.cases["compiled_autograd"]["reduces"] for rank in unpatched.ranks]

@@ -86,6 +86,11 @@ def _assert_clean_case(run: RunResult, case: str) -> None:
 def test_unpatched(unpatched):
     """Torch left alone: after the failed backward, no sharded parameter gets a gradient again."""
     unpatched.assert_clean()
+    if ck.EXPECTED_STATUS[PATCH] == "unsupported":  # recorded, not judged (2.8: the next step raises)
+        error = unpatched.ranks[0].cases["failed"]["error"]
+        seen = f"the next step raised {error['type']}: {error['message'][:160]}" if error else "no error"
+        ck.expect_unpatched(BUG, ck.ex.NOT_MEASURED, seen, unpatched)
+        return
     n_params = len(unpatched.ranks[0].cases["failed"]["init"])
     for case in ("failed", "failed_kept_grads", "failed_hand_reset"):
         _assert_clean_case(unpatched, case)

@@ -23,20 +23,21 @@ The bug
 
 Torch versions
     2.13 and 2.15 measured (no compiled-autograd path left in FSDP2); 2.14 read (the same); 2.12
-    read, not run (after PyTorch PR 174906). 2.6 - 2.11 read, not run: FSDP2 has its own
-    compiled-autograd path there, chosen by ``_fsdp_common.compiled_autograd_enabled()`` (a value
-    ``detect_compiled_autograd()`` caches at the forward, PyTorch PR 138187); with the forward
-    outside compiled autograd (``_enable`` around ``backward()`` only) it takes its eager path, the
-    bug above. Any dtype, shape, mesh: the trigger is compiled autograd itself.
+    read, not run (after PyTorch PR 174906). 2.6 - 2.11: FSDP2 has its own compiled-autograd path
+    there, chosen by ``_fsdp_common.compiled_autograd_enabled()``; measured on 2.8 (matrix,
+    2026-12-02), compiled autograd around ``backward()`` makes torch raise itself ("queue_callback()
+    is only supported when Compiled Autograd is enabled with fullgraph=True"): the run stops, nothing
+    trains silently wrong, so the guard is not needed there (2.9 - 2.11 read, not run). Any dtype,
+    shape, mesh: the trigger is compiled autograd itself.
 
 Needed here?
     The root's ``_register_root_post_backward_final_callback`` queues its callback on the eager
     engine (``queue_callback``), both targets exist, and the only names of FSDP2's backward modules
     (``_fsdp_common``, ``_fsdp_state``, ``_fsdp_param_group``, ``_fsdp_param``: globals, and the
-    targets' bytecode) that mention compiled autograd are none (2.12+) or those of its own path
-    (``compiled_autograd_enabled``, ``detect_compiled_autograd``, ``_compiled_autograd_enabled``,
-    with ``compiled_autograd_enabled`` callable) -> needed. Any other such name (a future
-    traceable FSDP2) or a target missing -> unsupported.
+    targets' bytecode) that mention compiled autograd are none (2.12+) -> needed; those of its own
+    path (``compiled_autograd_enabled``, ``detect_compiled_autograd``, ``_compiled_autograd_enabled``,
+    with ``compiled_autograd_enabled`` callable; 2.6 - 2.11) -> not needed. Any other such name (a
+    future traceable FSDP2) or a target missing -> unsupported.
 
 The guard
     Wrappers of ``FSDPState._pre_backward`` (the first FSDP2 code a backward runs) and of
@@ -69,7 +70,7 @@ import sys
 
 from .. import _compat, _events
 from .._catalogue import GUARD
-from .._spec import Patch, Verdict, Wrap, needed, unsupported
+from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 NAME = "compiled_autograd_guard"
 _CA = "torch._dynamo.compiled_autograd"
@@ -128,7 +129,12 @@ def _structural_check() -> Verdict:
         "which a compiled-autograd graph does not run"
     )
     if names:
-        return needed(f"{eager}; its own compiled-autograd path (chosen by _fsdp_common.{_OWN_PATH}()) is left alone")
+        # measured on 2.8: around a plain backward, torch's own path raises ("queue_callback() is only
+        # supported when Compiled Autograd is enabled with fullgraph=True"): the run stops, not silent
+        return not_needed(
+            f"FSDP2 has its own compiled-autograd path (_fsdp_common.{_OWN_PATH}()); around a plain backward "
+            "torch raises itself instead of training silently wrong"
+        )
     return needed(f"FSDP2 has no compiled-autograd path: {eager}")
 
 
@@ -171,7 +177,8 @@ PATCH = Patch(
     upstream=("torchtitan issue 1708", "PyTorch PR 174906", "PyTorch PR 174863",
               "NeMo Automodel compiled_autograd_active()"),
     # measured on 2.13 and 2.15; 2.14 read; 2.6 - 2.12 read, not run (the eager path, see the docstring)
-    affected=">=2.6,<2.16",
+    # 2.12 - 2.15 (no FSDP2 compiled-autograd path); before, FSDP2's own path raises (measured 2.8)
+    affected=">=2.12,<2.16",
     check=_structural_check,
     targets=(
         Wrap(f"{_STATE}:FSDPState._pre_backward", _stop_under_compiled_autograd),
