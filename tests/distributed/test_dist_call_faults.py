@@ -206,9 +206,13 @@ def test_a_fault_of_ours_in_the_mesh_cache_on_four_ranks(four_ranks, name):
 
 def test_the_policy_fault_leaves_torchs_default(default):
     records = case_records(default, f"{cf.POLICY}/after")
+    # torch's default: False from 2.13; before, no such attribute until the backport's setter runs
+    # (measured on 2.8 and 2.12, 2026-12-02)
+    default_flag = False if ck.NATIVE_UNUSED_PARAM_API else None
     for rec in records:
         flags = {phase: set(rec[phase]["runs"]["mlp"]["flags"].values()) for phase in PHASES}
-        assert flags == {"off": {False}, "healthy": {True}, "fault": {False}, "later": {False}}, flags
+        want = {"off": {default_flag}, "healthy": {True}, "fault": {default_flag}, "later": {default_flag}}
+        assert flags == want, flags
 
 
 def test_the_ranks_ran_with_the_third_party_example(default):
