@@ -1,16 +1,23 @@
 """What ``scripts/gpu_check.py`` runs: per patch its bug case and where that bug can strike, the
 launches (which patches each disables, which cases it runs), and the expectations of
 ``tests/expected.py`` for the torch found. Standard library only.
+
+Every fix and guard of the catalogue has a case: the first eight have cases of their own here
+(``_gpu_check_cases.py``, ``_gpu_check_cases_mesh.py``: bf16 and the MoE model for the first four);
+every later entry runs its ``demo --bug`` show (``fsdp_autopatch.demo.bugs``, from the installed
+wheel) on the check's device, so an entry added with its show is in the GPU check with no line here.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = ROOT / "tests" / "expected.py"
+PACKAGE = ROOT / "src" / "fsdp_autopatch"
 
 
 @dataclass(frozen=True)
@@ -18,9 +25,11 @@ class PatchCase:
     name: str
     bug: str  # the letter of tests/expected.py and the docs
     what: str  # the case, in a few words
+    kind: str = "fix"  # the catalogue's kind: fix or guard
+    show: bool = False  # runs the entry's demo --bug show (else a case of this script's)
 
 
-PATCHES = (
+NATIVE = (
     PatchCase("accumulated_grad_guard", "a", "a tower unit skipped by a text-only micro-batch, accumulation"),
     PatchCase("unused_param_reduction", "b", "ranks run different experts, set_reduce_scatter_unused_params(True)"),
     PatchCase("uniform_reduce_dtype", "c", "an expert first used in the last micro-batch: bf16 next to fp32 gradients"),
@@ -30,7 +39,44 @@ PATCHES = (
     PatchCase("keep_param_attributes", "g", "no_weight_decay marks set before fully_shard pick the AdamW groups"),
     PatchCase("clip_grad_norm_multi_mesh", "h", "clip_grad_norm_ over gradients on a ('dp',) and an ('edp',) mesh"),
 )
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _show_what(path: Path) -> str:
+    """A show module's ``WHAT`` (read, not imported: the module imports the package)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "WHAT" for t in node.targets):
+            return " ".join(str(ast.literal_eval(node.value)).split())
+    return "its demo --bug show"
+
+
+def _show_cases() -> tuple[PatchCase, ...]:
+    """The catalogue's fixes and guards after the first eight that have a show, in catalogue order."""
+    catalogue = _load(PACKAGE / "_catalogue.py", "_gpu_check_catalogue")  # a leaf: imports nothing
+    letters = load_expected().BUG_OF if EXPECTED.is_file() else {}
+    native = {p.name for p in NATIVE}
+    cases = []
+    for entry in catalogue.ENTRIES:
+        path = PACKAGE / "demo" / "bugs" / f"{entry.name}.py"
+        if entry.kind != catalogue.POLICY and entry.name not in native and path.is_file():
+            cases.append(PatchCase(entry.name, letters.get(entry.name, entry.name), _show_what(path), entry.kind, True))
+    return tuple(cases)
+
+
+def load_expected():
+    """``tests/expected.py`` of this checkout as a module, or None where it is missing."""
+    return _load(EXPECTED, "_gpu_check_expected") if EXPECTED.is_file() else None
+
+
+PATCHES = NATIVE + _show_cases()
 BY_NAME = {p.name: p for p in PATCHES}
+BY_BUG = {p.bug: p for p in PATCHES}
 
 TRAINING = {  # flavour -> what it adds to the training case (the first four bugs at once)
     "train_eager": "eager",
@@ -51,16 +97,6 @@ def strikes(bug: str, world_size: int) -> tuple[bool, bool, str]:
         return (True, True, "strikes (the fill zero-fills at any size); at one rank the usage flags have no peer, "
                 "so the flag all-reduce and its host sync do not run (see the cost's on_forced_sync)")
     return True, True, ""
-
-
-def load_expected():
-    """``tests/expected.py`` of this checkout as a module, or None where it is missing."""
-    if not EXPECTED.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("_gpu_check_expected", EXPECTED)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def expected_off(torch_version: str) -> dict[str, str]:

@@ -146,10 +146,11 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
     ctx = Ctx(rank, world_size, device, args.compile_backend, 1e-4 if args.device == "cuda" else 1e-5)
     from _gpu_check_cases import CASES
     from _gpu_check_cases_mesh import CASES as MESH_CASES
+    from _gpu_check_cases_shows import case_for
 
     cases = {**CASES, **MESH_CASES}
     for name in filter(None, args.cases.split(",")):
-        _run_case(name, cases[name], ctx, results)
+        _run_case(name, cases.get(name) or case_for(name), ctx, results)
     if args.cost_json:
         from _gpu_check_cost import run_cost
 
@@ -157,7 +158,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
         try:
             results.data["cost"] = run_cost(ctx, json.loads(args.cost_json), results.at)
         except Exception as exc:
-            results.data["cost"] = {"error": _error(exc)}
+            results.data["cost"] = {"error": _error(exc), "where": results.data["where"]}
     results.at("barrier")
     dist.barrier()
     dist.destroy_process_group()

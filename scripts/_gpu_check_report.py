@@ -54,17 +54,28 @@ def outcome(launch: dict[str, Any] | None, case: str) -> dict[str, Any]:
             "text": f"killed after {launch['seconds']:.0f} s (outer timeout or a peer failed): {where}"}
 
 
-def patch_rows(launches: dict[str, dict], world_size: int, expected: dict[str, str]) -> dict[str, Any]:
-    rows = {}
+UNSUPPORTED_NOTE = ("unsupported on this torch: the plugin leaves torch as it is, so both runs show torch's own "
+                    "behaviour; recorded, not judged")
+
+
+def patch_rows(launches: dict[str, dict], world_size: int, expected: dict[str, str],
+               statuses: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per patch its case with the plugin on and with that patch off. ``statuses``: the plugin's
+    own record on this torch (the probe's); where a patch is ``unsupported`` its on-run is recorded,
+    not judged (torch is left untouched there)."""
+    rows, statuses = {}, statuses or {}
     planned = (launches.get("plugin on: bug cases") or {}).get("cases") or []
     for patch in PATCHES:
         can, ran, why = strikes(patch.bug, world_size)
         row: dict[str, Any] = {"bug": patch.bug, "case": patch.what, "strikes_at_this_world_size": can,
-                               "note": why, "expected_off": expected.get(patch.bug, "no expectation")}
+                               "note": why, "expected_off": expected.get(patch.bug, "no expectation"),
+                               "kind": patch.kind, "source": "demo --bug show" if patch.show else "gpu check case"}
         if ran and patch.bug not in planned:
             row["note"] = "not run (not selected with --only)"
         elif ran:
             row["on"] = outcome(launches.get("plugin on: bug cases"), patch.bug)
+            if statuses.get(patch.name) == "unsupported":
+                row["on"]["judged"], row["note"] = False, UNSUPPORTED_NOTE
             row["off"] = outcome(launches.get(f"{patch.name} off"), patch.bug)
             row["bug_seen_off"] = row["off"]["ran"] and not row["off"]["right"]
             row["off_agrees"] = agrees(row["expected_off"], row["bug_seen_off"]) if row["off"]["ran"] else None
@@ -89,6 +100,9 @@ def cost_summary(launch: dict[str, Any] | None) -> dict[str, Any]:
         return {"error": (launch or {}).get("skipped", "not run")}
     rank0 = launch["ranks"][0] or {}
     cost = rank0.get("cost")
+    if cost and "error" in cost:  # where it stopped, and what was raised, in one line
+        error = cost["error"]
+        return {"error": f"{error['type']}: {_first_line(error['message'], 160)} (rank 0, at {cost.get('where')})"}
     if not cost:
         return {"error": outcome(launch, "cost")["text"] if launch["returncodes"][0] else "no cost reported"}
     return cost
@@ -99,7 +113,7 @@ def verdict(report: dict[str, Any]) -> tuple[bool, list[str], list[str]]:
     was measured; findings are plugin-off results that differ from tests/expected.py."""
     problems, findings = [], []
     for name, row in report["patches"].items():
-        if "on" in row and not row["on"]["right"]:
+        if "on" in row and not row["on"]["right"] and row["on"].get("judged", True):
             problems.append(f"{name} with the plugin on: {row['on']['text']}")
         if row.get("off_agrees") is False:
             findings.append(f"{name} off: expected '{row['expected_off']}', got: {row['off']['text']}")
@@ -121,6 +135,8 @@ def _cell(result: dict[str, Any] | None, off: bool) -> str:
         return result["text"]
     if result["right"]:
         return "right"
+    if not result.get("judged", True):
+        return "recorded: " + result["text"]
     return ("BUG: " if off else "WRONG: ") + result["text"]
 
 
@@ -130,19 +146,19 @@ def table(report: dict[str, Any]) -> str:
            f"torch {m.get('torch')}, {report['backend']}, world size {report['world_size']}, "
            f"{report['seconds']:.0f} s; plugin {report['plugin'].get('version')} from the wheel, bootstrap "
            f"{report['plugin'].get('bootstrap')}", ""]
-    out.append(f"{'patch':<27} {'bug':<3} {'here?':<5} {'plugin on':<10} {'off agrees':<10} "
+    out.append(f"{'patch':<34} {'bug':<3} {'here?':<5} {'plugin on':<10} {'off agrees':<10} "
                "plugin off (that patch's variable =0)")
     for name, row in report["patches"].items():
         if "on" not in row:
             here = "yes" if row["strikes_at_this_world_size"] else "no"
-            out.append(f"{name:<27} {row['bug']:<3} {here:<5} {'-':<10} {'-':<10} {row['note']}")
+            out.append(f"{name:<34} {row['bug']:<3} {here:<5} {'-':<10} {'-':<10} {row['note']}")
             continue
         agree = {True: "yes", False: "NO", None: "-"}[row["off_agrees"]]
         here = "yes" if row["strikes_at_this_world_size"] else "no"
-        out.append(f"{name:<27} {row['bug']:<3} {here:<5} {_cell(row['on'], False)[:10]:<10} {agree:<10} "
+        out.append(f"{name:<34} {row['bug']:<3} {here:<5} {_cell(row['on'], False)[:10]:<10} {agree:<10} "
                    f"{_cell(row['off'], True)}")
-        if row["note"] and row["strikes_at_this_world_size"] is False:
-            out.append(f"{'':<31}({row['note']})")
+        if row["note"] and (row["strikes_at_this_world_size"] is False or not row["on"].get("judged", True)):
+            out.append(f"{'':<38}({row['note']})")
     out += ["", "training, the first four bugs at once (bf16 params, fp32 reduce, accumulation, fill on):"]
     for row in report["training"].values():
         if "skipped" in row:

@@ -205,8 +205,8 @@ def _report(args, device, world_size, backend, wheel, found, results, started) -
                    "wrapt": found["wrapt"], "packaging": found["packaging"]},
         "compile": {"backend": backend, "note": plan.COMPILE_NOTE[device] if not args.compile_backend else "given"},
         "expected_source": str(plan.EXPECTED) if expected else "tests/expected.py not found",
-        "patches": report.patch_rows(results, world_size, expected),
-        # entries added after the GPU check's cases were written: their 2-rank gloo tests cover them
+        "patches": report.patch_rows(results, world_size, expected, found["statuses"]),
+        # entries with neither a case here nor a demo --bug show (none today): their gloo tests cover them
         "not_in_gpu_check": [name for name in found["statuses"] if name not in plan.BY_NAME],
         "world_size_1": {p.name: dict(zip(("can_strike", "runs", "note"), plan.strikes(p.bug, 1)))
                          for p in plan.PATCHES},

@@ -122,8 +122,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # every FSDP2 release builds type("FSDP<Name>", (FSDPModule, cls)) and caches it in cls_to_fsdp_cls
         "fsdp_module_abc_layout": "applied",
         "optimizer_unsharded_params_guard": "applied",  # root unsharded after forward: measured 2.13/2.15, read 2.6+
-        # (j) the one-rank copy divides by the factor: measured 2.12, 2.13, 2.15; read as absent before
-        "gradient_divide_factor_single_rank": "applied" if release >= (2, 12) else "not_needed",
+        # (j) the one-rank copy divides by the factor: measured 2.10 - 2.13, 2.15; absent on 2.8, 2.9 (measured)
+        "gradient_divide_factor_single_rank": "applied" if release >= (2, 10) else "not_needed",
         # (l) FSDP2 without a compiled-autograd path of its own (2.12 on, PyTorch PR 174906): measured
         # 2.13/2.15; with one (2.8 measured; 2.9 - 2.11 read, not run) torch raises itself: not needed
         "compiled_autograd_guard": "applied" if release >= (2, 12) else "not_needed",
@@ -169,8 +169,8 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # read, not run, on 2.6 - 2.12: the same class swap (CPython's layout rule, any Python)
         "i": REPRODUCES,
         "k": REPRODUCES,  # (k) measured 2.13, 2.15: the root's head never moves in 3 SGD steps; read 2.6-2.12, 2.14
-        # (j) measured 2.12, 2.13, 2.15 (grads / f**2: |ref|/|grad| 4.0000 fp32, 3.9996 fp16); read, not run, before
-        "j": REPRODUCES if release >= (2, 12) else FIXED,
+        # (j) measured 2.10 - 2.13, 2.15 (grads / f**2: |ref|/|grad| 4.0000 fp32, 3.9996 fp16); right on 2.8, 2.9
+        "j": REPRODUCES if release >= (2, 10) else FIXED,
         # (l) measured 2.13, 2.15 (silent drift); 2.8: torch's own CA path raises (queue_callback ...
         # fullgraph=True); 2.9 - 2.11 read, not run; 2.12 read (no CA path since PR 174906)
         "l": REPRODUCES if release >= (2, 12) else FIXED,

@@ -246,12 +246,20 @@ def _read_disabled_list(environ, warn, known) -> "frozenset[str]":
     if unknown:
         warn(
             DISABLED_LIST,
-            f"{DISABLED_LIST} names unknown patch(es) {', '.join(_shown(name) for name in unknown)}; "
+            f"{DISABLED_LIST} names unknown patch(es) {', '.join(_with_hint(name, known) for name in unknown)}; "
             f"known patches: {', '.join(known)} (or '*' for all)",
         )
     if "*" in names:
         return frozenset(known)
     return frozenset(names & set(known))
+
+
+def _with_hint(name, known) -> str:
+    """An unknown name as warnings show it, with the closest known one (a typo's likely intent)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return _shown(name) + (f" (did you mean {close[0]}?)" if close else "")
 
 
 def _decide_patch(environ, name, enabled, disabled_list, warn) -> Decision:

@@ -80,6 +80,12 @@ _SINGLE_PROCESS_BACKENDS = {
 
 logger = logging.getLogger("fsdp_autopatch")
 _checked_groups: dict[str, Any] = {}  # group name -> group: each process group is checked once
+# How often this process reverted the check. A check after a revert and a new activation (tests,
+# scripts/gpu_check.py's step cost) publishes under fresh keys: the store keeps the previous round's
+# counts and "complete" key, which would end its wait at once and compare the new fingerprint with
+# peers' old ones. Round 0 keeps the key layout of earlier releases, so that ranks running different
+# fsdp-autopatch versions still meet and are told their versions differ.
+_round = 0
 _skipped: dict[str, str] = {}  # group name -> why it was not compared (shown in the policy)
 
 
@@ -93,9 +99,15 @@ def fingerprint() -> dict[str, str]:
 
 
 def revert() -> None:
+    global _round
     _patching.revert(NAME)
     _checked_groups.clear()
     _skipped.clear()
+    _round += 1
+
+
+def _key_prefix(group_name: str) -> str:
+    return f"{_KEY_PREFIX}/{group_name}" if _round == 0 else f"{_KEY_PREFIX}/round{_round}/{group_name}"
 
 
 def record_skip(group_name: str, reason: str) -> None:
@@ -173,7 +185,7 @@ def _comparison_for(group: Any) -> _Comparison | None:
     if reason is not None:
         record_skip(name, reason)
         return None
-    return _Comparison(store, f"{_KEY_PREFIX}/{name}", dist.get_rank(), ranks, fingerprint())
+    return _Comparison(store, _key_prefix(name), dist.get_rank(), ranks, fingerprint())
 
 
 def _why_not_comparable(group: Any, ranks: list[int]) -> str | None:

@@ -1,7 +1,8 @@
 """Scenarios of the cross-rank check (``fsdp_autopatch._consistency``): once per process group.
 
-``cross_rank``: two models on the same process group, two steps each. ``count_cross_rank_checks``
-is also used by the HSDP scenarios. See ``test_dist_cross_rank_check.py``.
+``cross_rank``: two models on the same process group, two steps each. ``cross_rank_after_revert``:
+the plugin reverted and activated again with another patch off, on every rank, between two models.
+``count_cross_rank_checks`` is also used by the HSDP scenarios. See ``test_dist_cross_rank_check.py``.
 """
 
 from __future__ import annotations
@@ -49,3 +50,40 @@ def sc_cross_rank(ctx: Ctx) -> None:
                 _run_step(ctx, model, plan_mlp, step=step, n_mb=1, accumulate=False)
             rec["checks"] = calls[0]
             rec["grads"] = grads_local(model)
+
+
+@scenario("cross_rank_after_revert")
+def sc_cross_rank_after_revert(ctx: Ctx) -> None:
+    """First model: the check compares (round 0). Then, on every rank alike, ``revert_all()``,
+    ``keep_param_attributes`` off, ``activate()``: the second model's check must compare the new
+    fingerprints with each other, not with the store's keys of the first round (before the fix:
+    the first rank to arrive read the old round's "complete" and raised "ranks disagree")."""
+    import os
+
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_autopatch
+    from fsdp_autopatch import _activate
+
+    calls = count_cross_rank_checks()
+
+    def train(rec: dict[str, Any]) -> None:
+        model = build_model("mlp")
+        for b in model.blocks:
+            fully_shard(b, mesh=ctx.mesh)
+        fully_shard(model, mesh=ctx.mesh)
+        _run_step(ctx, model, plan_mlp, step=0, n_mb=1, accumulate=False)
+        rec["checks"] = calls[0]
+        rec["grads"] = grads_local(model)
+
+    with ctx.case("first_model") as rec:
+        train(rec)
+    os.environ["FSDP_AUTOPATCH_DISABLED"] = "keep_param_attributes"
+    try:
+        _activate.revert_all()
+        _activate.activate()
+        with ctx.case("second_model", continue_on_error=True) as rec:
+            rec["keep_param_attributes"] = fsdp_autopatch.status()["keep_param_attributes"].status.value
+            train(rec)
+    finally:
+        os.environ.pop("FSDP_AUTOPATCH_DISABLED", None)

@@ -89,3 +89,18 @@ def test_check_switched_off_costs_nothing(check_off):
     for rank in check_off.ranks:
         assert rank.cases["second_model"]["checks"] == 0
         assert "cross_rank_check" not in rank.autopatch["policies"]
+
+
+def test_a_check_after_revert_and_activate_compares_fresh_fingerprints():
+    """Reverting and activating again on every rank (another patch off) starts a new comparison:
+    the store still holds the first round's keys, which must not end the second round's wait."""
+    run = run_ranks("cross_rank_after_revert")
+    run.assert_clean()
+    for rank in run.ranks:
+        assert rank.cases["first_model"]["checks"] == 1
+        second = rank.cases["second_model"]
+        assert second["error"] is None, second["error"]
+        assert second["keep_param_attributes"] == "disabled"
+        assert second["checks"] == 2  # compared again, and agreed
+    grads = ck.case_grads(run, "second_model")
+    assert all(g is not None for g in grads.values())

@@ -118,6 +118,9 @@ def test_unknown_patch_name_in_list_warns():
     assert settings.decision("uniform_reduce_dtype").enabled is False
     assert warnings.variables == ["FSDP_AUTOPATCH_DISABLED"]
     assert "unifrom_reduce_dtype" in warnings.seen[0][1]
+    assert "did you mean uniform_reduce_dtype?" in warnings.seen[0][1]
+    _, warnings = settings_for(FSDP_AUTOPATCH_DISABLED="bogus")
+    assert "did you mean" not in warnings.seen[0][1]  # nothing close: no guess
 
 
 def test_unknown_variable_warns_with_a_suggestion():

@@ -17,7 +17,7 @@ from fsdp_autopatch._isolation import Binder, Call  # noqa: E402
 from fsdp_autopatch.patches import gradient_divide_factor_single_rank as patch  # noqa: E402
 
 # Tests that call this torch's own _get_gradient_divide_factors / read its foreach_reduce: only where
-# tests/expected.py says the dividing copy is there (2.12 on; 2.8's takes a real group, measured).
+# tests/expected.py says the dividing copy is there (2.10 on; 2.8's takes a real group, measured).
 SHAPED = pytest.mark.skipif(
     ex.expected_status(ex.release_of(torch.__version__)).get("gradient_divide_factor_single_rank") == "not_needed",
     reason="this torch has no dividing one-rank copy (tests/expected.py): the patch is not needed",

@@ -28,14 +28,16 @@ def sum_reduction(*units) -> bool:
     return True
 
 
-def rank_batch(rank: int, rows: int = 4):
+def rank_batch(rank: int, rows: int = 4, device: str = "cpu"):
+    """Rank ``rank``'s batch: drawn on the CPU (the same numbers on every device), then moved."""
     import torch
 
-    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(100 + rank))
+    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(100 + rank)).to(device)
 
 
 def full_grads(model) -> dict[str, Any]:
-    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    """The unsharded gradients, on the CPU, where the one-process references are computed."""
+    return {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def max_diff(got: dict[str, Any], ref: dict[str, Any]) -> float:

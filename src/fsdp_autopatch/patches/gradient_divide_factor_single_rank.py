@@ -16,14 +16,14 @@ The bug
     Upstream: PyTorch issue 155903 (the family: the factor's FSDP/HSDP inconsistency, closed by
     PR 155915, which added the force-sum path); the copy branch arrived with PR 162021 ("skipping
     reduce_scatter when world size is 1", Sept 2025) as a plain copy, and the division inside it
-    later (by 2.12). PR 196348 only avoids the temporary for a factor of 1. No upstream fix of
+    later (by 2.10). PR 196348 only avoids the temporary for a factor of 1. No upstream fix of
     the double division is known.
 
 Torch versions
-    Measured: 2.12, 2.13 and 2.15 (2 gloo ranks, factor 4: gradients 4x too small). The releases
-    before the dividing copy (2.8 has no copy branch; after PR 162021 a copy that does not divide)
-    divide once and are right: read, not run (which release first divides in the copy, 2.10 -
-    2.12, is not pinned down). The structural check decides on every release.
+    Measured: 2.10, 2.11, 2.12, 2.13 and 2.15 (2 gloo ranks, factor 4: gradients 4x too small;
+    2.10 and 2.11 by the matrix of 2026-12-02, where the structural check found the dividing copy).
+    The releases before it divide once and are right: 2.8 and 2.9 measured (not needed: neither has a
+    copy that divides, and their unpatched runs are right). The structural check decides on every release.
 
 Needed here?
     Read from torch's own code (no process group): ``foreach_reduce``'s source has an
@@ -187,9 +187,9 @@ PATCH = Patch(
         "set_force_sum_reduction_for_comms(True) or an fp16 reduce dtype"
     ),
     upstream=("PyTorch issue 155903", "PyTorch PR 162021", "PyTorch PR 155915"),
-    # measured on 2.12, 2.13 and 2.15 (matrix 2026-12-02 for 2.12); <2.16: the end of what was
-    # measured (the bug is still there on 2.15)
-    affected=">=2.12,<2.16",
+    # measured on 2.10 - 2.13 and 2.15 (matrix 2026-12-02 for 2.10 - 2.12); <2.16: the end of what
+    # was measured (the bug is still there on 2.15)
+    affected=">=2.10,<2.16",
     check=_structural_check,
     targets=(Wrap(f"{_compat.FSDP2_PACKAGE}.{_MODULE}:{_FUNCTION}", _one_division, reads=_READS),),
     changes="a one-rank reduce-scatter group with a custom factor gets no pre/post divide on top of the copy's",

@@ -186,7 +186,7 @@ def restore_unused(groups: list[Any]) -> None:
     for domain, entries in by_domain.items():
         flags = [int(used) for _, probe in entries for used in probe.used]
         if domain and flags:
-            packed = torch.tensor(flags, dtype=torch.int32, device=entries[0][0].device)
+            packed = _flags_tensor(flags, entries[0][0].device)
             for process_group in domain:  # torch's collective: what it raises is torch's
                 _isolation.torch_call(dist.all_reduce, packed, op=dist.ReduceOp.MAX, group=process_group)
             flags = packed.tolist()
@@ -196,6 +196,21 @@ def restore_unused(groups: list[Any]) -> None:
                 if not flags[position] and not existed:
                     _put_back_none(fsdp_param)
                 position += 1
+
+
+def _flags_tensor(flags: list[int], device: Any) -> Any:
+    """The usage flags on the domain's device, for the all-reduce.
+
+    On CUDA they are staged in pinned host memory and copied without blocking: a pageable copy
+    (``torch.tensor(..., device=cuda)``) waits for the whole queued backward, and ``tolist()`` after
+    the all-reduce waits again. Queued on the current stream, the copy runs before the all-reduce
+    (NCCL's stream waits on the current one), so the values are the same; the caching host
+    allocator keeps the pinned block until the copy has run. One host sync per restore instead of
+    two (docs/performance.md, "The restore's host syncs").
+    """
+    if getattr(device, "type", None) != "cuda":
+        return torch.tensor(flags, dtype=torch.int32, device=device)
+    return torch.tensor(flags, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
 
 
 def _put_back_none(fsdp_param: Any) -> None:

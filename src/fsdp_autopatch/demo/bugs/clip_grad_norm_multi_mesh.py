@@ -33,17 +33,17 @@ def _dense_and_expert():
     return nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     _, init_device_mesh, fully_shard = fsdp_api()
-    dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    edp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("edp",))
-    model = _dense_and_expert()
+    dp = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
+    edp = init_device_mesh(device, (world_size,), mesh_dim_names=("edp",))
+    model = _dense_and_expert().to(device)
     sum_reduction(fully_shard(model[1], mesh=edp), fully_shard(model, mesh=dp))
-    sum_loss(model, rank_batch(rank)).backward()
+    sum_loss(model, rank_batch(rank, device=device)).backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    total = total.full_tensor() if hasattr(total, "full_tensor") else total
+    total = (total.full_tensor() if hasattr(total, "full_tensor") else total).cpu()
     grads = full_grads(model)  # collective
     if rank != 0:
         return {"right": True, "value": ""}

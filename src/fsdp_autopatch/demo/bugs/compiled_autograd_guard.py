@@ -22,13 +22,13 @@ def _model():
     return nn.Sequential(nn.Linear(DIM, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import torch
     from torch._dynamo import compiled_autograd
 
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _model()
+    mesh = init_device_mesh(device, (world_size,))
+    model = _model().to(device)
     for unit in (model[0], model[2], model):
         fully_shard(unit, mesh=mesh)
     first = model[0].weight  # the sharded parameter the optimizer updates
@@ -36,7 +36,7 @@ def show(rank: int, world_size: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         for _ in range(STEPS):
-            loss = sum_loss(model, rank_batch(rank))
+            loss = sum_loss(model, rank_batch(rank, device=device))
             with compiled_autograd._enable(torch.compile(backend="eager")):
                 loss.backward()
             optimizer.step()

@@ -35,16 +35,16 @@ def _abc_model():
     return TanhModel()
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     _, init_device_mesh, fully_shard = fsdp_api()
     from torch.distributed.fsdp import FSDPModule
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _abc_model()
+    mesh = init_device_mesh(device, (world_size,))
+    model = _abc_model().to(device)
     fully_shard(model.block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the ABC-first class: TypeError without the patch
     sum_reduction(model, model.block)
-    sum_loss(model, rank_batch(rank)).backward()
+    sum_loss(model, rank_batch(rank, device=device)).backward()
     diff, grads_right = grads_verdict(model, _abc_model, sum_loss, world_size, rank)
     kept = isinstance(model, FSDPModule) and type(model).__mro__[2].__name__ == "TanhModel"
     value = (f"fully_shard worked: {type(model).__name__} is an FSDPModule and still a TanhModel ({kept}); "

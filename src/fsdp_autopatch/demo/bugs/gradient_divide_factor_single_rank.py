@@ -36,16 +36,16 @@ def _norm(grads: dict[str, Any]) -> float:
     return sum(float(g.double().norm()) ** 2 for g in grads.values()) ** 0.5
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    model = _model()
+    mesh = init_device_mesh(device, (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    model = _model().to(device)
     for unit in (model[0], model[2], model):
         fully_shard(unit, mesh=mesh)
     for unit in (model[0], model[2], model):  # the setters act on each unit's own parameters
         unit.set_gradient_divide_factor(FACTOR)
         unit.set_force_sum_reduction_for_comms(True)
-    sum_loss(model, rank_batch(rank)).backward()
+    sum_loss(model, rank_batch(rank, device=device)).backward()
     grads = full_grads(model)  # collective: every rank
     if rank != 0:
         return {"right": True, "value": ""}

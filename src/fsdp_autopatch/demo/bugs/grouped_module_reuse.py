@@ -44,14 +44,14 @@ def _mtp_loss(model, batch):
     return logits.pow(2).sum() + model.mtp.aux.pow(2).sum()
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _mtp_model()
+    mesh = init_device_mesh(device, (world_size,))
+    model = _mtp_model().to(device)
     fully_shard(model.layer, mesh=mesh)
     fully_shard([model.norm, model.head], mesh=mesh)  # one unit over two modules
     fully_shard(model, mesh=mesh)
     sum_reduction(model, model.layer, model.norm)
-    _mtp_loss(model, rank_batch(rank)).backward()
+    _mtp_loss(model, rank_batch(rank, device=device)).backward()
     diff, right = grads_verdict(model, _mtp_model, _mtp_loss, world_size, rank)
     return {"right": right, "value": f"backward completed; max relative |grad - reference| {diff:.1e}"}

@@ -43,18 +43,18 @@ def _loss(model, batch):
     return model(batch).pow(2).sum()
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import warnings
 
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _model()
+    mesh = init_device_mesh(device, (world_size,))
+    model = _model().to(device)
     fully_shard(model.block, mesh=mesh)  # reshards after forward
     fully_shard(model, mesh=mesh)
     sum_reduction(model, model.block)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch 2.13+ warns of the view (PyTorch PR 181850)
-        loss = _loss(model, rank_batch(rank))
+        loss = _loss(model, rank_batch(rank, device=device))
     loss.backward()
     diff, right = grads_verdict(model, _model, _loss, world_size, rank)
     return {"right": right, "value": f"backward completed; max relative |grad - reference| {diff:.1e}"}

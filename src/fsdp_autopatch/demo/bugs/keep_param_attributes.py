@@ -41,19 +41,19 @@ def _adamw_step(model) -> None:
     torch.optim.AdamW(groups, lr=0.1).step()
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    model, reference = _tagged_model(), _tagged_model()
+    mesh = init_device_mesh(device, (world_size,))
+    model, reference = _tagged_model().to(device), _tagged_model()
     expected = _user_attributes(reference)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     kept = _user_attributes(model)
     sum_reduction(model, *model)
-    sum_loss(model, rank_batch(rank)).backward()
+    sum_loss(model, rank_batch(rank, device=device)).backward()
     _adamw_step(model)
-    weights = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
+    weights = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}  # collective
     if rank != 0:
         return {"right": True, "value": ""}
     backward_every_rank(reference, sum_loss, world_size)

@@ -22,23 +22,23 @@ def _model():
     return nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 4))
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _model()
+    mesh = init_device_mesh(device, (world_size,))
+    model = _model().to(device)
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[1], mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root owns model[2], the head
     sum_reduction(model, model[0], model[1])
     head_before = model[2].weight.full_tensor().clone()  # collective
     with torch.no_grad():  # an eval pass
-        model(rank_batch(rank))
+        model(rank_batch(rank, device=device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         for _ in range(STEPS):
-            sum_loss(model, rank_batch(rank)).backward()
+            sum_loss(model, rank_batch(rank, device=device)).backward()
             optimizer.step()
             optimizer.zero_grad()
     except Exception as error:  # the guard's GuardError, raised alike on every rank

@@ -51,16 +51,16 @@ def _model():
     return Model()
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _model()
+    mesh = init_device_mesh(device, (world_size,))
+    model = _model().to(device)
     for unit in (model.l0, model.l1, model.l2, model):
         fully_shard(unit, mesh=mesh)
     sum_reduction(model, model.l0, model.l1, model.l2)
     model.sac = True
     try:
-        sum_loss(model, rank_batch(rank)).backward()
+        sum_loss(model, rank_batch(rank, device=device)).backward()
     except RuntimeError as error:  # every rank raises at the same op of the recompute
         return {"right": False, "value": f"RuntimeError: {str(error).split('. This can happen')[0]}"}
     diff, right = grads_verdict(model, _model, sum_loss, world_size, rank)

@@ -26,12 +26,12 @@ def _raise(grad):
     raise RuntimeError("injected")
 
 
-def show(rank: int, world_size: int) -> dict[str, Any]:
+def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     _, init_device_mesh, fully_shard = fsdp_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _model()
+    mesh = init_device_mesh(device, (world_size,))
+    model = _model().to(device)
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -40,14 +40,14 @@ def show(rank: int, world_size: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD(sharded, lr=0.1)
     hook = model[1].register_forward_hook(lambda m, i, out: out.register_hook(_raise) and None)
     try:
-        sum_loss(model, rank_batch(rank)).backward()
+        sum_loss(model, rank_batch(rank, device=device)).backward()
     except RuntimeError:  # an OOM, a raising hook: caught, the batch skipped
         pass
     hook.remove()
     optimizer.zero_grad(set_to_none=True)
     counts = []
     for _ in range(STEPS):
-        sum_loss(model, rank_batch(rank)).backward()
+        sum_loss(model, rank_batch(rank, device=device)).backward()
         counts.append(sum(p.grad is not None for p in sharded))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
