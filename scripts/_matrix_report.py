@@ -191,13 +191,22 @@ def bug_table(results: list[dict], patches) -> list[str]:
     return lines + [""]
 
 
-def update_docs(table: str, begin: str = BEGIN, end: str = END) -> None:
+MATRIX_JSON = ROOT / "docs" / "compatibility-matrix.json"
+
+
+def update_docs(table: str, begin: str = BEGIN, end: str = END, source: dict | None = None) -> None:
+    """Rewrite one table in docs/compatibility.md; with ``source`` (the runs' merged JSON) also
+    docs/compatibility-matrix.json, the file the unit tests render the table from: writing one
+    without the other let the committed table and its JSON drift apart (a red CI, 2026-12-02)."""
     doc = ROOT / "docs" / "compatibility.md"
     text = doc.read_text()
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     doc.write_text(f"{head}{begin}\n{table}{end}{tail}")
     log(f"updated {doc.relative_to(ROOT)}")
+    if source is not None:
+        MATRIX_JSON.write_text(json.dumps(source, indent=2) + "\n")
+        log(f"updated {MATRIX_JSON.relative_to(ROOT)}")
 
 
 def row_python(result: dict) -> str:
@@ -251,7 +260,8 @@ def report_only(files: list[Path], out: Path, docs: bool, python_docs: bool = Fa
         "max_venv_mb": max(m["max_venv_mb"] for m in metas),
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "matrix.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    merged = {"meta": meta, "results": results}
+    (out / "matrix.json").write_text(json.dumps(merged, indent=2))
     table = markdown(results, meta)
     if len({r["measured"] for r in results}) > 1:
         table += "\nRows merged from several runs: " + "; ".join(
@@ -263,7 +273,7 @@ def report_only(files: list[Path], out: Path, docs: bool, python_docs: bool = Fa
     if refusal:
         log(f"docs/compatibility.md left as it is: {refusal}")
     if docs and not refusal:
-        update_docs(table)
+        update_docs(table, source=merged)
     if python_docs and not refusal:
         update_docs(python_markdown(results), PY_BEGIN, PY_END)
     log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}, {out / 'python.md'}")

@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for result in results:
         result["measured"] = f"{meta['date']}, commit {meta['commit']}"
-    (out / "matrix.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    run = {"meta": meta, "results": results}
+    (out / "matrix.json").write_text(json.dumps(run, indent=2))
     table = markdown(results, meta)
     (out / "matrix.md").write_text(table)
     (out / "python.md").write_text(python_markdown(results))
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         if refusal:
             log(f"docs/compatibility.md left as it is: {refusal}")
         else:
-            update_docs(table)
+            update_docs(table, source=run)
     log(f"results: {out / 'matrix.json'}, {out / 'matrix.md'}; {meta['wall_minutes']} min")
     first = [r["release"] for r in results if r.get("first_measurement") and r["ok"]]
     if first:

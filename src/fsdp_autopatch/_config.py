@@ -247,11 +247,26 @@ def _read_disabled_list(environ, warn, known) -> "frozenset[str]":
         warn(
             DISABLED_LIST,
             f"{DISABLED_LIST} names unknown patch(es) {', '.join(_with_hint(name, known) for name in unknown)}; "
-            f"known patches: {', '.join(known)} (or '*' for all)",
+            f"known patches (or '*' for all): {_bounded_list(known)}",
         )
     if "*" in names:
         return frozenset(known)
     return frozenset(names & set(known))
+
+
+_LISTED_NAMES_CHARS = 300  # third-party entries grow the catalogue; a warning stays a line or two
+
+
+def _bounded_list(names) -> str:
+    """The names, comma-separated, cut to a bounded length with a pointer to the full list."""
+    shown, length = [], 0
+    for name in names:
+        length += len(name) + 2
+        if length > _LISTED_NAMES_CHARS:
+            more = len(names) - len(shown)
+            return f"{', '.join(shown)} and {more} more (python -m fsdp_autopatch status lists all)"
+        shown.append(name)
+    return ", ".join(shown)
 
 
 def _with_hint(name, known) -> str:

@@ -123,6 +123,15 @@ def test_unknown_patch_name_in_list_warns():
     assert "did you mean" not in warnings.seen[0][1]  # nothing close: no guess
 
 
+def test_the_known_names_in_a_warning_stay_bounded_as_the_catalogue_grows():
+    """Third-party entries add names without limit: the warning lists what fits and points to status."""
+    names = tuple(f"vendor_patch_number_{i:02d}" for i in range(40))
+    listed = _config._bounded_list(names)
+    assert listed.startswith("vendor_patch_number_00, vendor_patch_number_01")
+    assert len(listed) < 400 and "more (python -m fsdp_autopatch status lists all)" in listed
+    assert _config._bounded_list(names[:3]) == ", ".join(names[:3])  # short lists are shown whole
+
+
 def test_unknown_variable_warns_with_a_suggestion():
     settings, warnings = settings_for(FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLE="0")
     assert settings.decision("uniform_reduce_dtype").enabled is True  # the typo changes nothing

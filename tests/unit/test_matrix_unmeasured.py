@@ -174,7 +174,7 @@ def test_a_failed_install_is_reported_and_fails_the_run(tmp_path, monkeypatch, c
         (logs / f"{release}-install.log").write_text(PIP_NO_2_16)
         return {"ok": False, "seconds": 1, "venv_mb": 0}
 
-    def update_docs(*_):
+    def update_docs(*_, **__):
         raise AssertionError("docs/compatibility.md must not get a row that measured nothing")
 
     wheel = tmp_path / "fsdp_autopatch-0.2.0-py3-none-any.whl"
@@ -319,3 +319,23 @@ def test_the_measured_rows_still_render_as_committed(tmp_path):
     doc = (ROOT / "docs" / "compatibility.md").read_text()
     committed = doc.split(report.BEGIN + "\n", 1)[1].split(report.END, 1)[0]
     assert (tmp_path / "matrix.md").read_text() == committed
+
+
+def test_updating_the_docs_writes_the_table_and_the_json_it_renders_from(tmp_path, monkeypatch):
+    """``--update-docs`` rewrites the table and docs/compatibility-matrix.json together: the table
+    once went in without its JSON, and the test above failed on every interpreter in CI."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "compatibility.md").write_text(f"head\n{report.BEGIN}\nold table\n{report.END}\ntail\n")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "MATRIX_JSON", docs / "compatibility-matrix.json")
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"meta": META, "results": [result_of(probe(), passing_tests())]}))
+    report.report_only([ROOT / "docs" / "compatibility-matrix.json", later], tmp_path / "out", True)
+    assert json.loads((docs / "compatibility-matrix.json").read_text()) == json.loads(
+        (tmp_path / "out" / "matrix.json").read_text())
+    assert report.report_only([docs / "compatibility-matrix.json"], tmp_path / "again", False) == 0
+    doc = (docs / "compatibility.md").read_text()
+    assert doc.startswith("head\n") and doc.endswith("tail\n")
+    table = doc.split(report.BEGIN + "\n", 1)[1].split(report.END, 1)[0]
+    assert table == (tmp_path / "again" / "matrix.md").read_text()
