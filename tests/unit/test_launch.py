@@ -107,3 +107,11 @@ def test_the_demo_imports_without_torch_and_its_cli_is_unchanged():
         assert result.returncode == 0, result.stderr
         usage = " ".join(result.stdout.split("\n\n")[0].split())
         assert usage == "usage: fsdp-autopatch demo [-h] [--without-patches] [--bug NAME] [--timeout TIMEOUT]"
+
+
+def test_the_demo_says_which_inherited_settings_its_ranks_will_not_see():
+    from fsdp_autopatch.demo import ignored_settings_note
+
+    assert ignored_settings_note({"FSDP_AUTOPATCH_LOG_LEVEL": "INFO", "PATH": "/bin"}) == ""
+    note = ignored_settings_note({"FSDP_AUTOPATCH_DISABLED": "*", "FSDP_AUTOPATCH_ENABLED": "0"})
+    assert "ignoring FSDP_AUTOPATCH_DISABLED, FSDP_AUTOPATCH_ENABLED from your environment" in note

@@ -56,7 +56,8 @@ Every sub-run is bounded: a short gloo timeout, an outer timeout that kills both
 groups, a grace period after the first rank fails (a rank that fails alone leaves its peer waiting
 in a collective), and a watchdog in each rank that exits when the demo's parent process goes away.
 Inherited ``FSDP_AUTOPATCH_*`` settings other than ``FSDP_AUTOPATCH_LOG_LEVEL`` are removed from the
-ranks' environment so that each mode runs exactly the configuration it describes.
+ranks' environment so that each mode runs exactly the configuration it describes; the demo names
+them on stderr before it starts.
 
 Implementation: stdlib only at import time; torch is imported inside the rank process
 (``python -m fsdp_autopatch.demo --worker ...``) and inside functions only.
@@ -70,11 +71,13 @@ timeouts), ``_worker`` and ``_checks`` (the rank side: training, rank 0's invari
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ._bugs import BUG_SHOWS, demo_bug
 from ._report import demo_patched, demo_without_patches
 from ._scenarios import RUN_TIMEOUT_S, SCENARIOS
+from ._subrun import KEEP_ENV
 
 __all__ = ["main", "demo_bug", "demo_patched", "demo_without_patches"]
 
@@ -103,6 +106,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def ignored_settings_note(environ=os.environ) -> str:
+    """A line naming the caller's ``FSDP_AUTOPATCH_*`` settings the ranks will not see ('' if none):
+    each mode runs the configuration it describes, and a silently dropped setting would surprise."""
+    ignored = sorted(v for v in environ if v.startswith("FSDP_AUTOPATCH_") and v not in KEEP_ENV)
+    if not ignored:
+        return ""
+    return (f"note: the demo sets the plugin's variables for each run itself; ignoring {', '.join(ignored)} "
+            "from your environment (FSDP_AUTOPATCH_LOG_LEVEL is kept)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
@@ -114,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         from ._worker import worker_main
 
         return worker_main(args.scenario, args.rank, args.out, args.deadline)
+    note = ignored_settings_note()
+    if note:
+        print(note, file=sys.stderr)
     try:
         if args.bug:
             return demo_bug(args.bug, args.timeout)
