@@ -74,6 +74,7 @@ import argparse
 import os
 import sys
 
+from .._config import PREFIX
 from ._bugs import BUG_SHOWS, demo_bug
 from ._report import demo_patched, demo_without_patches
 from ._scenarios import RUN_TIMEOUT_S, SCENARIOS
@@ -109,11 +110,11 @@ def _parser() -> argparse.ArgumentParser:
 def ignored_settings_note(environ=os.environ) -> str:
     """A line naming the caller's ``FSDP_AUTOPATCH_*`` settings the ranks will not see ('' if none):
     each mode runs the configuration it describes, and a silently dropped setting would surprise."""
-    ignored = sorted(v for v in environ if v.startswith("FSDP_AUTOPATCH_") and v not in KEEP_ENV)
+    ignored = sorted(v for v in environ if v.startswith(PREFIX) and v not in KEEP_ENV)
     if not ignored:
         return ""
     return (f"note: the demo sets the plugin's variables for each run itself; ignoring {', '.join(ignored)} "
-            "from your environment (FSDP_AUTOPATCH_LOG_LEVEL is kept)")
+            f"from your environment ({', '.join(KEEP_ENV)} is kept)")
 
 
 def main(argv: list[str] | None = None) -> int:
