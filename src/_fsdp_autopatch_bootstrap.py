@@ -153,17 +153,19 @@ class _ArmBeforeExec:
 
 
 def register_hook():
-    """Register the wrapt post-import hook on torch's FSDP2 once; fires now if already imported."""
+    """Register the wrapt post-import hooks once: on torch's FSDP2, and on each other module an entry
+    waits for (DCP's state_dict); each fires now if its module is already imported."""
     global _hook_registered
     # stdlib only; here, not at interpreter start: only torch processes need the package
     from fsdp_autopatch import _hook
-    from fsdp_autopatch._process import HOOK_TARGET
+    from fsdp_autopatch._process import hook_targets
 
     if _hook_registered:
-        # Already armed; if FSDP2 is already imported the patches ran, but an explicit install()
+        # Already armed; if a target is already imported its patches ran, but an explicit install()
         # after the first activation should still (idempotently) patch anything left pending.
-        if HOOK_TARGET in sys.modules:
-            _hook.on_fsdp_import(sys.modules[HOOK_TARGET])
+        for target in hook_targets():
+            if target in sys.modules:
+                _hook.on_fsdp_import(sys.modules[target])
         return
     try:
         import wrapt
@@ -176,7 +178,8 @@ def register_hook():
     try:
         # The hook is a function, not a "module:function" string: wrapt would import that module
         # inside the user's import, and an error there would fail the user's import.
-        wrapt.register_post_import_hook(_hook.on_fsdp_import, HOOK_TARGET)
+        for target in hook_targets():
+            wrapt.register_post_import_hook(_hook.on_fsdp_import, target)
     except Exception as error:
         _hook.record_every_patch(
             "unsupported", f"wrapt could not register the import hook ({type(error).__name__}: {error})"

@@ -23,7 +23,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from . import _compat, _isolation, _patching, _process, _thirdparty, patches
-from ._catalogue import PATCH_NAMES, POLICIES
+from ._catalogue import PATCH_NAMES, POLICIES, WAITED_FOR
 from ._config import THIRD_PARTY, Decision, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
 from ._spec import Patch, Verdict, unsupported
@@ -37,10 +37,19 @@ _lock = threading.RLock()  # two threads importing FSDP2 at once must not patch 
 def activate(module: Any = None) -> None:
     """Apply the patches and policies. Idempotent; never raises unless ``FSDP_AUTOPATCH_STRICT=1``.
 
-    ``module`` is the imported FSDP2 module, as wrapt's post-import hook passes it; unused, since
-    every target is resolved by its dotted path.
+    ``module`` is the module wrapt's post-import hook passes: FSDP2, or another module some entries
+    wait for (``Entry.waits_for``: DCP's state_dict). An entry is tried only once the module it
+    waits for is imported (``_process.imported``); until then it stays pending. The hook of such
+    a module applies only the entries that wait for it (FSDP2's hook, which comes first, has done
+    the rest).
     """
     with _lock:
+        trigger = getattr(module, "__name__", None)
+        if trigger is not None:
+            _process.arrived.add(trigger)
+        if trigger in WAITED_FOR:
+            _activate_waiting_for(trigger)
+            return
         externals, refused = _discover_isolated()
         settings = _read_settings_safely(PATCH_NAMES + tuple(external.name for external in externals))
         _record_refused(refused, settings)
@@ -48,11 +57,32 @@ def activate(module: Any = None) -> None:
         _isolation.set_strict(settings.strict)
         REGISTRY.record_torch_version(_process.torch_version())
         for name in PATCH_NAMES:  # fixes and guards, in catalogue order
-            _run_fix(name, settings, patches.load_patch)
+            _run_when_imported(name, settings)
         for external in externals:
             _run_external(external, settings)
         for name in POLICIES:
             _run_policy(name, settings)
+
+
+def _run_when_imported(name: str, settings: Settings) -> None:
+    """Try ``name`` if the module it waits for is imported (FSDP2's: this activation is its hook's, or
+    an explicit one after it), or if this torch has no such module (its check says so: unsupported);
+    otherwise it stays pending until that module's own hook applies it."""
+    trigger = _process.trigger_of(name)
+    if trigger == _process.HOOK_TARGET or _process.imported(trigger) or not _process.importable(trigger):
+        _run_fix(name, settings, patches.load_patch)
+
+
+def _activate_waiting_for(trigger: str) -> None:
+    """The fixes and guards that wait for ``trigger`` (not FSDP2), once it is imported."""
+    # FSDP2's activation has already warned about the variables (with the third-party names known)
+    quiet = _process.imported(_process.HOOK_TARGET)
+    settings = _read_settings_safely(PATCH_NAMES, warn=_ignore if quiet else warn)
+    _configure_logging(settings)
+    REGISTRY.record_torch_version(_process.torch_version())
+    for name in PATCH_NAMES:
+        if _process.trigger_of(name) == trigger:
+            _run_fix(name, settings, patches.load_patch)
 
 
 def _discover_isolated() -> tuple[list[_thirdparty.External], list[_thirdparty.Refused]]:
@@ -184,9 +214,13 @@ def _run_policy(name: str, settings: Settings) -> None:
             raise  # strict: a policy the user asked for by its variable must be in force
 
 
-def _read_settings_safely(names: tuple[str, ...]) -> Settings:
+def _ignore(variable: str, message: str) -> None:
+    pass
+
+
+def _read_settings_safely(names: tuple[str, ...], warn: Any = warn) -> Settings:
     try:
-        return read_settings(names=names)
+        return read_settings(names=names, warn=warn)
     except Exception:  # never let a parsing bug break the import of torch
         logger.exception("reading FSDP_AUTOPATCH_* variables failed; using defaults")
         return Settings()

@@ -17,6 +17,9 @@ KINDS = (FIX, GUARD, POLICY)
 
 PREFIX = "FSDP_AUTOPATCH_"
 PACKAGE = "fsdp_autopatch.patches"
+# An entry applies when torch's FSDP2 is imported, unless it wraps a module FSDP2 does not import
+# (DCP's state_dict): it waits for that module (``Entry.waits_for``) and applies when it arrives.
+DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 
 def toggle_for(name):
@@ -31,17 +34,19 @@ class Entry:
     kind     -- :data:`FIX`, :data:`GUARD` or :data:`POLICY`
     variable -- a policy's own switch; fixes and guards derive theirs from the name
     default  -- whether it is on when no variable says otherwise (fixes and guards: always)
+    waits_for -- the module whose import applies it; None: FSDP2's (``_process.HOOK_TARGET``)
     """
 
-    __slots__ = ("name", "kind", "variable", "default")
+    __slots__ = ("name", "kind", "variable", "default", "waits_for")
 
-    def __init__(self, name, kind=FIX, variable=None, default=True):
+    def __init__(self, name, kind=FIX, variable=None, default=True, waits_for=None):
         if kind not in KINDS:
             raise ValueError(f"{name}: kind {kind!r} is not one of {KINDS}")
         self.name = name
         self.kind = kind
         self.variable = variable
         self.default = default
+        self.waits_for = waits_for
 
     def __repr__(self):
         return f"Entry({self.name!r}, {self.kind!r})"
@@ -72,6 +77,7 @@ ENTRIES = (
     Entry("inplace_view_output"),
     Entry("stale_backward_recovery"),
     Entry("sac_prefetched_unit"),  # after stale_backward_recovery (Patch.after)
+    Entry("dcp_optimizer_state_init", waits_for=DCP_STATE_DICT),
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
     Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True),
 )
@@ -83,3 +89,5 @@ POLICIES = tuple(entry.name for entry in ENTRIES if entry.kind == POLICY)
 # The registry's per-patch records (status().patches), fixes and guards in the order they apply;
 # policies are recorded under status().policies.
 PATCH_NAMES = tuple(entry.name for entry in ENTRIES if entry.kind != POLICY)
+# The modules other than FSDP2 whose import applies entries: the bootstrap arms a hook on each too.
+WAITED_FOR = tuple(sorted({entry.waits_for for entry in ENTRIES if entry.waits_for}))

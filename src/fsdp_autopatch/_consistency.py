@@ -61,8 +61,8 @@ import json
 import logging
 from typing import Any, NamedTuple
 
-from . import _compat, _isolation, _patching
-from ._registry import REGISTRY
+from . import _compat, _isolation, _patching, _process
+from ._registry import REGISTRY, PatchStatus
 
 NAME = "cross_rank_check"
 _CHECKED = "_fsdp_autopatch_cross_rank_checked"  # FSDPState attribute: this root was checked
@@ -93,9 +93,15 @@ def fingerprint() -> dict[str, str]:
     """What must be equal on every rank: the registry, minus the free-text reasons."""
     report = REGISTRY.snapshot()
     items = {"fsdp-autopatch": report.version, "torch": str(report.torch)}
-    items.update({record.name: record.status.value for record in report.patches})
+    items.update({record.name: record.status.value for record in report.patches if not _waits_elsewhere(record)})
     items.update({f"policy {name}": "set" for name in sorted(report.policies)})  # absent: "missing"
     return items
+
+
+def _waits_elsewhere(record: Any) -> bool:
+    """A record still pending on a module other than FSDP2 (DCP's state_dict): whether a rank has
+    imported that module before its first forward says nothing about its plugin, so it is left out."""
+    return record.status is PatchStatus.PENDING and _process.trigger_of(record.name) != _process.HOOK_TARGET
 
 
 def revert() -> None:

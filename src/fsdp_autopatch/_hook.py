@@ -19,7 +19,8 @@ STRICT = "FSDP_AUTOPATCH_STRICT"  # the same as ``_config.STRICT``, which may be
 
 
 def on_fsdp_import(module):
-    """wrapt's post-import hook for ``torch.distributed.fsdp._fully_shard``."""
+    """wrapt's post-import hook for ``torch.distributed.fsdp._fully_shard`` and each other module an
+    entry waits for (``_catalogue.HOOK_TARGETS``)."""
     try:
         from ._activate import activate
 

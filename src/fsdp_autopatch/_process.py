@@ -4,7 +4,8 @@
   bootstrap, the top-level module ``_fsdp_autopatch_bootstrap``, and read here from
   ``sys.modules`` so that this module imports nothing of ours and the bootstrap pays nothing for
   it at interpreter start);
-* the module the post-import hook waits for, spelled once;
+* the modules the post-import hooks wait for (spelled once, in the catalogue), and which of them
+  have arrived;
 * torch's version, without importing torch;
 * which module of this package raised an error, and the hook failure, if any.
 
@@ -14,6 +15,9 @@ Imported by the registry, ``doctor``, the hook and the CLI, never by the bootstr
 import sys
 
 HOOK_TARGET = "torch.distributed.fsdp._fully_shard"
+# The hook targets whose post-import hook has fired. wrapt calls a hook from inside the import, where
+# ``sys.modules`` already holds the module half initialised, so presence there is not enough.
+arrived = set()
 _PACKAGE = __name__.rsplit(".", 1)[0]
 # The start-up module: top-level, beside the package, so that interpreter start imports one module.
 BOOTSTRAP = "_fsdp_autopatch_bootstrap"
@@ -50,6 +54,50 @@ def torch_version():
         return version("torch")
     except Exception:  # PackageNotFoundError, or broken metadata: no version to report
         return None
+
+
+def hook_targets():
+    """Every module whose import applies entries: FSDP2 first, then those some entries wait for."""
+    from ._catalogue import WAITED_FOR
+
+    return (HOOK_TARGET,) + WAITED_FOR
+
+
+def trigger_of(name):
+    """The module whose import applies entry ``name`` (FSDP2's unless the catalogue says otherwise)."""
+    from ._catalogue import BY_NAME
+
+    entry = BY_NAME.get(name)
+    return (entry.waits_for if entry is not None else None) or HOOK_TARGET
+
+
+def imported(name):
+    """Whether module ``name`` is imported far enough for the entries that wait for it to apply:
+    its hook fired, or it is in ``sys.modules`` and not still executing (a module that imports
+    FSDP2 at its top is half initialised while FSDP2's hook runs)."""
+    if name in arrived:
+        return True
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+def importable(name):
+    """Whether this torch has module ``name``, found without importing it (nor its package: the
+    finder reads the file system under the already imported parent packages)."""
+    from importlib.machinery import PathFinder
+
+    parent, _, _ = name.rpartition(".")
+    while parent and parent not in sys.modules:  # the nearest imported package, then down by path
+        parent, _, _ = parent.rpartition(".")
+    path = getattr(sys.modules.get(parent), "__path__", None)
+    for depth in range(parent.count(".") + 1 if parent else 0, name.count(".") + 1):
+        spec = PathFinder.find_spec(".".join(name.split(".")[: depth + 1]), path)
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+    return True
 
 
 def our_module_in(error):

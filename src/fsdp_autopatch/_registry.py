@@ -124,6 +124,12 @@ class StatusReport:
 
 
 _PENDING_REASON = f"waiting for {HOOK_TARGET} to be imported"
+
+
+def _pending_reason(name: str) -> str:
+    """Which import applies ``name``: FSDP2's, or another module's (``Entry.waits_for``)."""
+    return f"waiting for {_process.trigger_of(name)} to be imported"
+
 # How the reason of a patch whose wrapper raised at call time starts (``_isolation``; doctor reads it).
 CALL_TIME_FAILURE = "failed at call time"
 
@@ -159,7 +165,7 @@ class Registry:
     def reset(self) -> None:
         """Every patch back to pending (tests; a fresh process starts like this)."""
         with self._lock:
-            self._records = {name: _Entry(PatchStatus.PENDING, _PENDING_REASON) for name in PATCH_NAMES}
+            self._records = {name: _Entry(PatchStatus.PENDING, _pending_reason(name)) for name in PATCH_NAMES}
             self._policies = {}
             self._third_party_failure = None
             self._fired = {}

@@ -1,10 +1,13 @@
 """The hook: fixed order, isolation of a patch that raises, idempotence, strict mode, toggles."""
 
+import types
+
 import pytest
 from packaging.version import Version
 
 import fsdp_autopatch.patches as patches_package
-from fsdp_autopatch import _activate, _compat, _patching
+from fsdp_autopatch import _activate, _compat, _patching, _process
+from fsdp_autopatch._catalogue import WAITED_FOR
 from fsdp_autopatch._registry import PatchStatus, Registry
 from fsdp_autopatch._spec import Add, Patch, needed, not_needed, unsupported
 from fsdp_autopatch.patches import PATCH_NAMES
@@ -60,6 +63,9 @@ def registry(monkeypatch):
     monkeypatch.setattr(_compat, "torch_release", lambda: Version("2.13.0"))
     for name in PATCH_NAMES:
         monkeypatch.delattr(Internals, name, raising=False)
+    # The entries that wait for another module than FSDP2 (DCP's state_dict) are tried as if it had
+    # arrived too; test_an_entry_waits_for_its_own_module covers the wait.
+    monkeypatch.setattr(_process, "arrived", set(WAITED_FOR))
     for variable in list(__import__("os").environ):
         if variable.startswith("FSDP_AUTOPATCH_"):
             monkeypatch.delenv(variable)
@@ -199,3 +205,37 @@ def test_a_patch_module_that_does_not_import_raises_under_strict(monkeypatch, re
     with pytest.raises(TypeError, match="injected"):
         _activate.activate()
     assert registry.snapshot()[PATCH_NAMES[0]].status is PatchStatus.FAILED
+
+
+def test_an_entry_waits_for_its_own_module(monkeypatch, registry):
+    """An entry whose module (``Entry.waits_for``) is importable but not imported stays pending at
+    FSDP2's activation, naming that module; the module's own hook applies it and nothing else."""
+    log = []
+    install_fakes(monkeypatch, [FakePatch(name, log) for name in PATCH_NAMES])
+    monkeypatch.setattr(_process, "arrived", set())
+    monkeypatch.setattr(_process, "imported", lambda name: False)
+    monkeypatch.setattr(_process, "importable", lambda name: True)
+    waiting = [name for name in PATCH_NAMES if _process.trigger_of(name) != _process.HOOK_TARGET]
+    assert waiting, "no entry waits for another module: this test has nothing to test"
+    _activate.activate()
+    assert [name for action, name in log if action == "apply"] == [n for n in PATCH_NAMES if n not in waiting]
+    for record in registry.snapshot().patches:
+        if record.name in waiting:
+            assert record.status is PatchStatus.PENDING
+            assert f"waiting for {_process.trigger_of(record.name)}" in record.reason
+    log.clear()
+    trigger = types.SimpleNamespace(__name__=_process.trigger_of(waiting[0]))  # what the hook passes
+    _activate.activate(trigger)
+    assert [name for action, name in log if action == "apply"] == [n for n in waiting if _process.trigger_of(n) == trigger.__name__]
+    assert set(statuses(registry).values()) == {PatchStatus.APPLIED}, statuses(registry)
+
+
+def test_an_entry_whose_module_this_torch_lacks_is_decided_at_once(monkeypatch, registry):
+    """No such module in this torch (a stand-in, a build without DCP): its check runs and says so."""
+    log = []
+    install_fakes(monkeypatch, [FakePatch(name, log) for name in PATCH_NAMES])
+    monkeypatch.setattr(_process, "arrived", set())
+    monkeypatch.setattr(_process, "imported", lambda name: False)
+    monkeypatch.setattr(_process, "importable", lambda name: False)
+    _activate.activate()
+    assert PatchStatus.PENDING not in set(statuses(registry).values())
