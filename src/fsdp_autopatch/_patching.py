@@ -317,7 +317,8 @@ def holds(outer: Any, inner: Any, depth: int = 6) -> bool:
         if level >= depth or id(value) in seen:
             continue
         seen.add(id(value))
-        reached = [getattr(value, "__wrapped__", None), getattr(value, "__func__", None)]
+        # a wrapt proxy read off a class is a bound wrapper whose parent is the proxy we set
+        reached = [getattr(value, name, None) for name in ("__wrapped__", "__func__", "_self_parent")]
         if isinstance(value, functools.partial):
             reached.append(value.func)
         reached += [held for _, held in _held_by(value) if not isinstance(value, type)]
@@ -331,8 +332,8 @@ def displaced(patch_name: str) -> list[tuple[str, str, bool]]:
     found: list[tuple[str, str, bool]] = []
     for (owner, attribute, _), value in zip(_applied.get(patch_name, []), _ours.get(patch_name, [])):
         installed = vars(owner).get(attribute, _MISSING)
-        if installed is value:
-            continue
+        if installed is value or any(installed is later for values in _ours.values() for later in values):
+            continue  # ours, or another of our patches' wrappers over it (they unwind in order)
         place = f"{getattr(owner, '__name__', _short_name(owner))}.{attribute}"
         what = "nothing" if installed is _MISSING else qualified_name(installed)
         found.append((place, what, installed is not _MISSING and holds(installed, value)))
