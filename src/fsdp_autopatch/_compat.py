@@ -140,13 +140,37 @@ def class_attr(cls: type, name: str) -> Any:
 
 
 def innermost(func: Any) -> Any:
-    """Torch's function behind any wrappers (wrapt, functools.wraps, ``torch._dynamo.disable``)."""
+    """Torch's function behind any wrappers (wrapt, functools.wraps, ``torch._dynamo.disable``),
+    and behind a framework's monkey-patch made before ours without ``functools.wraps`` (NeMo
+    Automodel's ``fsdp_patches``: a function of its own module whose closure holds torch's)."""
     for _ in range(10):
         inner = getattr(func, "__wrapped__", None)
+        if inner is None:
+            inner = _closed_over_torch_function(func)
         if inner is None:
             break
         func = inner
     return func
+
+
+def _closed_over_torch_function(func: Any) -> Any:
+    """The one torch function a function outside torch holds in its closure, or None."""
+    if _is_torch_own(func):
+        return None
+    held = []
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(value) and not isinstance(value, type) and _is_torch_own(value):
+            held.append(value)
+    return held[0] if len(held) == 1 else None
+
+
+def _is_torch_own(func: Any) -> bool:
+    module = getattr(func, "__module__", None) or ""
+    return module == "torch" or module.startswith("torch.")
 
 
 def code_of(func: Any) -> Any:

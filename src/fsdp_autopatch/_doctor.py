@@ -238,6 +238,14 @@ def _patch_finding(record: Any) -> Finding:
 
 def _patch_finding_of_status(record: Any) -> Finding:
     status = record.status
+    if status is PatchStatus.APPLIED and not record.in_force:
+        # someone else's monkey-patch replaced ours after us and does not call ours
+        theirs = ", ".join(sorted({what for _, what, calls_ours in record.displaced if not calls_ours}))
+        return Finding(
+            record.name, WARNING, f"applied, but no longer in force everywhere: {record.reason}",
+            f"{theirs} now runs instead of this patch: check that it fixes what this patch fixes "
+            f"(docs/patches/{record.name}.md), or apply it before fsdp-autopatch activates",
+        )
     if status in (PatchStatus.APPLIED, PatchStatus.NOT_NEEDED):
         return Finding(record.name, OK, f"{status.value}: {record.reason}")
     if status is PatchStatus.DISABLED:

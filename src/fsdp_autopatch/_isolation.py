@@ -175,8 +175,10 @@ def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_to
     compiling = _is_compiling_function()
     module = getattr(wrapper, "__module__", None)  # a third-party patch's failure names its function
 
+    retired = []  # non-empty once reverted: a caller that still holds us gets torch's code
+
     def guarded(wrapped, instance, args, kwargs):
-        if patch_name in _failed:
+        if patch_name in _failed or retired:
             return wrapped(*args, **kwargs)
         call = Call(wrapped, args, kwargs, binder)
         if compiling():  # Dynamo traces this: no try/except around the traced user code
@@ -196,7 +198,16 @@ def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_to
             return call.result
 
     guarded.__fsdp_autopatch_guard__ = patch_name  # type: ignore[attr-defined]
+    guarded.__fsdp_autopatch_retire__ = lambda: retired.append(True)  # type: ignore[attr-defined]
     return guarded
+
+
+def retire(guarded: Any) -> None:
+    """A reverted wrapper passes every call straight to what it wraps, for whoever still holds it
+    (a framework that wrapped ours after us keeps calling it)."""
+    retire_it = getattr(guarded, "__fsdp_autopatch_retire__", None)
+    if retire_it is not None:
+        retire_it()
 
 
 def isolated(patch_name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

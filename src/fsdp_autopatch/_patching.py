@@ -19,11 +19,17 @@ from typing import Any, Callable
 import wrapt
 
 from . import _isolation
+from ._registry import REGISTRY
 from ._spec import Add, Patch, Wrap
 
 _MISSING = object()
 # patch name -> the (owner, attribute, original) triples it replaced, in order
 _applied: dict[str, list[tuple[Any, str, Any]]] = {}
+# patch name -> the value it set at each of those places, in the same order (how a revert and
+# ``status`` tell ours from a replacement someone else made after us)
+_ours: dict[str, list[Any]] = {}
+# what reverts left in place: "<owner>.<attribute>: <their value>" (someone replaced ours after us)
+left_in_place: list[str] = []
 
 
 def resolve(path: str) -> tuple[Any, str]:
@@ -61,6 +67,7 @@ def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True) -> Any:
 
     # How a probe tells ours from torch's own functools.wraps decorators (both set __wrapped__).
     replacement.__fsdp_autopatch_replacement__ = True
+    replacement.__fsdp_autopatch_guard_of__ = wrapper  # what a revert retires
     return replacement
 
 
@@ -180,11 +187,23 @@ def describe(planned: Iterable[tuple[Any, str, Any]], patch_name: str = "") -> s
     parts = []
     for (owner, attribute, _), short in zip(planned, shorts):
         others = [name for name in holders(owner, attribute) if name != patch_name]
-        over = f" (over {', '.join(others)}'s wrapper)" if others else ""
+        over = f" (over {', '.join(others)}'s wrapper)" if others else _over_foreign(owner, attribute, patch_name)
         # the package _fully_shard and its module _fully_shard: two sites, one short name
         shown = short if shorts.count(short) == 1 else f"{getattr(owner, '__name__', short)}.{attribute}"
         parts.append(f"{shown}{over}")
     return ", ".join(parts)
+
+
+def _over_foreign(owner: Any, attribute: str, patch_name: str) -> str:
+    """`` (over <module.function>, not torch's own)`` when someone else replaced the attribute before us."""
+    if patch_name in _applied:  # applied: the value before ours is what we recorded
+        before = next((o for ow, a, o in _applied[patch_name] if ow is owner and a == attribute), _MISSING)
+    else:
+        before = vars(owner).get(attribute, _MISSING)
+    module = getattr(getattr(before, "__func__", before), "__module__", None) or ""
+    if before is _MISSING or module == "torch" or module.startswith("torch.") or _guard_of(before) is not None:
+        return ""
+    return f" (over {qualified_name(before)}, not torch's own)"
 
 
 def holders(owner: Any, attribute: str) -> list[str]:
@@ -216,15 +235,18 @@ def replace_all(patch_name: str, planned: Iterable[tuple[Any, str, Any]]) -> Non
     if patch_name in _applied:
         return
     done: list[tuple[Any, str, Any]] = []
+    ours: list[Any] = []
     try:
         for owner, attribute, value in planned:
             original = vars(owner).get(attribute, _MISSING)
             setattr(owner, attribute, value)
             done.append((owner, attribute, original))
+            ours.append(value)
     except BaseException:
-        _undo(done)
+        _undo(done, ours)
         raise
     _applied[patch_name] = done
+    _ours[patch_name] = ours
 
 
 def is_applied(patch_name: str) -> bool:
@@ -232,8 +254,13 @@ def is_applied(patch_name: str) -> bool:
 
 
 def revert(patch_name: str) -> None:
-    """Undo one patch (tests). Revert patches in the reverse order of application."""
-    _undo(_applied.pop(patch_name, []))
+    """Undo one patch (tests). Revert patches in the reverse order of application.
+
+    A place where someone else replaced our value after us keeps theirs (a revert of ours never
+    undoes theirs; noted in :data:`left_in_place`); our wrapper, should theirs still call it,
+    passes every call straight through from then on.
+    """
+    _undo(_applied.pop(patch_name, []), _ours.pop(patch_name, []))
     _isolation.forget(patch_name)
 
 
@@ -243,9 +270,14 @@ def revert_all() -> None:
         revert(name)
 
 
-def _undo(done: list[tuple[Any, str, Any]]) -> None:
-    for owner, attribute, original in reversed(done):
+def _undo(done: list[tuple[Any, str, Any]], ours: list[Any]) -> None:
+    for (owner, attribute, original), value in reversed(list(zip(done, ours))):
+        _isolation.retire(_guard_of(value))
         installed = vars(owner).get(attribute, _MISSING)
+        if installed is not value and installed is not original:
+            # replaced after us by someone else: theirs stays (it may hold ours, now inert)
+            left_in_place.append(f"{_short_name(owner)}.{attribute}: {qualified_name(installed)}")
+            continue
         if original is not _MISSING and installed is not _MISSING and installed is not original:
             # copies made after we applied (torch.distributed.fsdp re-exports fully_shard from the
             # package whose import our hook runs in): they get torch's object back too
@@ -259,3 +291,53 @@ def _undo(done: list[tuple[Any, str, Any]]) -> None:
                 pass
         else:
             setattr(owner, attribute, original)
+
+
+def _guard_of(value: Any) -> Any:
+    """The guarded wrapper inside one of our values: a wrapt proxy's wrapper, or the plain function
+    ``wrap(proxy=False)`` made (None for what an ``Add`` target set)."""
+    return getattr(value, "_self_wrapper", None) or getattr(value, "__fsdp_autopatch_guard_of__", None)
+
+
+def qualified_name(value: Any) -> str:
+    """``module.qualname`` of a function, method or class (what ``status`` names someone else's by)."""
+    value = getattr(value, "__func__", value)
+    module = getattr(value, "__module__", None) or "?"
+    return f"{module}.{getattr(value, '__qualname__', None) or type(value).__qualname__}"
+
+
+def holds(outer: Any, inner: Any, depth: int = 6) -> bool:
+    """Whether ``outer`` reaches ``inner`` as a wrapper does: through ``__wrapped__``, a bound
+    method's function, a ``functools.partial``, its closure or its defaults (a few levels deep)."""
+    pending, seen = [(outer, 0)], set()
+    while pending:
+        value, level = pending.pop()
+        if value is inner:
+            return True
+        if level >= depth or id(value) in seen:
+            continue
+        seen.add(id(value))
+        # a wrapt proxy read off a class is a bound wrapper whose parent is the proxy we set
+        reached = [getattr(value, name, None) for name in ("__wrapped__", "__func__", "_self_parent")]
+        if isinstance(value, functools.partial):
+            reached.append(value.func)
+        reached += [held for _, held in _held_by(value) if not isinstance(value, type)]
+        pending += [(item, level + 1) for item in reached if item is not None]
+    return False
+
+
+def displaced(patch_name: str) -> list[tuple[str, str, bool]]:
+    """The places of an applied patch that no longer hold our value, read now: ``(place, what is
+    there, whether it still calls ours)``; empty when every place still holds ours."""
+    found: list[tuple[str, str, bool]] = []
+    for (owner, attribute, _), value in zip(_applied.get(patch_name, []), _ours.get(patch_name, [])):
+        installed = vars(owner).get(attribute, _MISSING)
+        if installed is value or any(installed is later for values in _ours.values() for later in values):
+            continue  # ours, or another of our patches' wrappers over it (they unwind in order)
+        place = f"{getattr(owner, '__name__', _short_name(owner))}.{attribute}"
+        what = "nothing" if installed is _MISSING else qualified_name(installed)
+        found.append((place, what, installed is not _MISSING and holds(installed, value)))
+    return found
+
+
+REGISTRY.watch_displacement(displaced)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from . import _process
 from ._catalogue import PATCH_NAMES
@@ -57,6 +57,15 @@ class PatchRecord:
     # failed at call time: it had applied, one of its wrappers raised, torch's code runs from then
     # on (``_isolation``); False for every other record. Not in ``to_dict`` (the reason says it).
     at_call_time: bool = False
+    # applied, but someone replaced our value after us at these places, read when the snapshot was
+    # taken: ``(place, what is there now, whether that still calls ours)``. Not in ``to_dict`` (the
+    # reason says it). "still calls ours": ours is reachable from theirs (closure, __wrapped__).
+    displaced: tuple[tuple[str, str, bool], ...] = ()
+
+    @property
+    def in_force(self) -> bool:
+        """Applied, and every place it replaced still goes through its wrapper."""
+        return self.status is PatchStatus.APPLIED and all(calls_ours for _, _, calls_ours in self.displaced)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -160,6 +169,9 @@ class Registry:
         self._third_party_failure: str | None = None
         self._fired: dict[str, int] = {}
         self._torch_version: str | None = None
+        # reads, per applied patch, where its values were replaced after it (``_patching``); kept
+        # across :meth:`reset`
+        self._displaced: Callable[[str], list[tuple[str, str, bool]]] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -230,6 +242,11 @@ class Registry:
         with self._lock:
             self._torch_version = version
 
+    def watch_displacement(self, probe: Callable[[str], list[tuple[str, str, bool]]]) -> None:
+        """``probe(name)``: where an applied patch's values were replaced after it, read at each
+        snapshot (someone else's monkey-patch over ours is only visible at the target itself)."""
+        self._displaced = probe
+
     def get(self, name: str) -> tuple[PatchStatus, str]:
         with self._lock:
             entry = self._records[name]
@@ -244,6 +261,7 @@ class Registry:
             )
             policy_records = tuple(self._policies.values())
             third_party_failure = self._third_party_failure
+        patches = tuple(_with_displacement(record, self._displaced) for record in patches)
         descriptions = {record.name: record.description for record in policy_records}
         started_by = _process.started_by() or "not_run"
         return StatusReport(
@@ -259,6 +277,24 @@ def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:
         name, entry.status, entry.reason, env, entry.decided_by, entry.variable, entry.value, fired, entry.provider,
         entry.at_call_time,
     )
+
+
+def _with_displacement(record: PatchRecord, probe: Any) -> PatchRecord:
+    """An applied record says where someone else's value replaced ours after us."""
+    if probe is None or record.status is not PatchStatus.APPLIED:
+        return record
+    try:
+        found = tuple(probe(record.name))
+    except Exception:  # a snapshot never raises: the record stays as it was applied
+        return record
+    if not found:
+        return record
+    notes = "; ".join(
+        f"{place} was replaced after us by {what}, "
+        + ("which wraps ours" if calls_ours else "which does not hold ours: not in force there")
+        for place, what, calls_ours in found
+    )
+    return replace(record, reason=f"{record.reason} [{notes}]", displaced=found)
 
 
 def _explain_pending(record: PatchRecord, torch_version: str | None) -> PatchRecord:
