@@ -75,6 +75,7 @@ import json, platform
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp  # the import that activates the plugin
+import torch.distributed.checkpoint.state_dict  # and the one dcp_optimizer_state_init waits for
 import fsdp_autopatch
 print(json.dumps({
     "torch": torch.__version__,

@@ -41,6 +41,7 @@ PATCHES = (
     "inplace_view_output",
     "stale_backward_recovery",
     "sac_prefetched_unit",
+    "dcp_optimizer_state_init",  # waits for torch.distributed.checkpoint.state_dict (Entry.waits_for)
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -59,7 +60,12 @@ BUG_OF = {
     "inplace_view_output": "m",  # PyTorch issue 181832
     "stale_backward_recovery": "n",  # torchtitan issue 1329, composer PR 3866 (no upstream issue)
     "sac_prefetched_unit": "o",  # NeMo Automodel issue 3958, torchtitan issue 3427
+    "dcp_optimizer_state_init": "p",  # PyTorch issues 192202, 164929
 }
+
+# The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
+# tests/unit/test_catalogue.py checks they agree): pending until that module is imported.
+WAITS_FOR = {"dcp_optimizer_state_init": "torch.distributed.checkpoint.state_dict"}
 
 OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
 
@@ -98,7 +104,9 @@ def release_text(release: tuple[int, int]) -> str:
 
 
 def expected_status(release: tuple[int, int]) -> dict[str, str]:
-    """The registry status of each patch after ``import torch.distributed.fsdp``, defaults on;
+    """The registry status of each patch after ``import torch.distributed.fsdp`` and
+    ``import torch.distributed.checkpoint.state_dict`` (what ``dcp_optimizer_state_init`` waits
+    for: pending until then), defaults on;
     :data:`NOT_MEASURED` for each patch on a release outside :data:`MEASURED`."""
     if not is_measured(release):
         return dict.fromkeys(PATCHES, NOT_MEASURED)
@@ -132,6 +140,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "stale_backward_recovery": "applied" if release >= (2, 13) else "unsupported",
         # (o) measured 2.13/2.15, 2.14 not read; < 2.13: FIFO-replay SAC (read 2.8.0; 2.9-2.12 not read)
         "sac_prefetched_unit": "applied" if release >= (2, 13) else "unsupported",
+        # (p) _init_optim_state's early return and dummy step: measured 2.13, 2.15; read 2.6 - 2.12
+        "dcp_optimizer_state_init": "applied",
     }
 
 
@@ -182,6 +192,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # patch is unsupported (FIFO-replay SAC) and claims nothing: 2.8.0 measured right for these
         # cases (docs/troubleshooting.md), 2.9 - 2.12 not run
         "o": REPRODUCES if release >= (2, 13) else NOT_MEASURED,
+        # (p) measured 2.13, 2.15 (Missing key ... optim.state.<param>.step at dcp.load; a step-0
+        # checkpoint's Adam step 1); read, not run, 2.6 - 2.12 (the same _init_optim_state)
+        "p": REPRODUCES,
     }
 
 

@@ -59,11 +59,16 @@ NATIVE_UNUSED_PARAM_API = ex.has_native_unused_param_api(TORCH_RELEASE)
 PATCH_NAMES = ex.PATCHES
 
 
+# The probes import torch.distributed.fsdp only: an entry that waits for another module (DCP's
+# state_dict, ``Entry.waits_for``) is still pending there (tests/unit/test_activate.py: the wait).
+WAITING = {name: "pending" for name in PATCH_NAMES if ex.WAITS_FOR.get(name)}
+
+
 def statuses_with(**changes: str) -> dict[str, str]:
     """The registry statuses on this torch with nothing switched off (tests/expected.py), then
     ``changes``. Before 2.13 the backported setter is the only unused-param fill, so without it
     applied restore_unused_param_grads has nothing to undo (``not_needed``) unless told otherwise."""
-    result = {**ex.expected_status(TORCH_RELEASE), **changes}
+    result = {**ex.expected_status(TORCH_RELEASE), **WAITING, **changes}
     fill_missing = not NATIVE_UNUSED_PARAM_API and result["unused_param_reduction"] != "applied"
     restore_applied = result["restore_unused_param_grads"] == "applied"
     if fill_missing and "restore_unused_param_grads" not in changes and restore_applied:

@@ -58,6 +58,7 @@ def registry(monkeypatch):
     monkeypatch.setattr(_activate, "REGISTRY", fresh)
     # The real patches may be applied in this process already; the fakes start from none.
     monkeypatch.setattr(_patching, "_applied", {})
+    monkeypatch.setattr(_patching, "_ours", {})  # kept beside _applied: what each patch set where
     # A measured release, whether or not torch is installed here (scripts/interpreters.py runs
     # this file without torch): the fakes' version ranges then agree with their verdicts.
     monkeypatch.setattr(_compat, "torch_release", lambda: Version("2.13.0"))

@@ -64,3 +64,5 @@ def test_the_oracle_knows_every_fix_and_guard():
     for release in ex.MEASURED:
         assert sorted(ex.expected_status(release)) == sorted(catalogue.PATCH_NAMES), ex.release_text(release)
         assert sorted(ex.unpatched_outcome(release)) == sorted(ex.BUG_OF.values()), ex.release_text(release)
+    waits = {entry.name: entry.waits_for for entry in catalogue.ENTRIES if entry.waits_for}
+    assert ex.WAITS_FOR == waits, "tests/expected.py WAITS_FOR must name the entries that wait for another module"
