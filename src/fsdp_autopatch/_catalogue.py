@@ -72,6 +72,7 @@ ENTRIES = (
     Entry("inplace_view_output"),
     Entry("stale_backward_recovery"),
     Entry("sac_prefetched_unit"),  # after stale_backward_recovery (Patch.after)
+    Entry("inference_mode_first_forward"),
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
     Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True),
 )
