@@ -41,6 +41,7 @@ PATCHES = (
     "inplace_view_output",
     "stale_backward_recovery",
     "sac_prefetched_unit",
+    "inference_mode_first_forward",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -59,6 +60,7 @@ BUG_OF = {
     "inplace_view_output": "m",  # PyTorch issue 181832
     "stale_backward_recovery": "n",  # torchtitan issue 1329, composer PR 3866 (no upstream issue)
     "sac_prefetched_unit": "o",  # NeMo Automodel issue 3958, torchtitan issue 3427
+    "inference_mode_first_forward": "q",  # issue 29 of this project; PyTorch PR 197327 is another crash
 }
 
 OLDEST_RUNNABLE = (2, 8)  # FSDP2 on gloo needs ReduceOp.AVG (torch >= 2.8)
@@ -132,6 +134,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "stale_backward_recovery": "applied" if release >= (2, 13) else "unsupported",
         # (o) measured 2.13/2.15, 2.14 not read; < 2.13: FIFO-replay SAC (read 2.8.0; 2.9-2.12 not read)
         "sac_prefetched_unit": "applied" if release >= (2, 13) else "unsupported",
+        # (q) buffers created in the first unshard's mode: measured 2.13/2.15; read, not run, 2.6-2.12, 2.14
+        "inference_mode_first_forward": "applied",
     }
 
 
@@ -182,6 +186,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # patch is unsupported (FIFO-replay SAC) and claims nothing: 2.8.0 measured right for these
         # cases (docs/troubleshooting.md), 2.9 - 2.12 not run
         "o": REPRODUCES if release >= (2, 13) else NOT_MEASURED,
+        # (q) measured 2.13, 2.15 (the first training step after an inference_mode evaluation raises:
+        # in-place update to an inference tensor); read, not run, 2.8 - 2.12 and 2.14 (the same methods)
+        "q": REPRODUCES,
     }
 
 
