@@ -31,8 +31,9 @@ Torch versions
 Needed here?
     ``FSDPParam.init_all_gather_outputs`` creates ``all_gather_outputs`` with ``torch.empty`` and
     does not turn inference mode off, ``FSDPParam.init_unsharded_param`` builds the
-    ``nn.Parameter`` into ``_unsharded_param``, and ``foreach_all_gather_copy_out`` creates the
-    buffers through ``init_all_gather_outputs`` -> needed. ``init_all_gather_outputs`` names
+    ``nn.Parameter`` into ``_unsharded_param``, and the all-gather copy-out creates the buffers
+    through ``init_all_gather_outputs`` (``foreach_all_gather_copy_out``; from 2.15 its default
+    ``_default_all_gather_output_fn``) -> needed. ``init_all_gather_outputs`` names
     ``inference_mode`` / ``is_inference_mode_enabled`` itself -> not_needed (conclusive). Anything
     else -> unsupported.
 
@@ -75,7 +76,8 @@ NAME = "inference_mode_first_forward"
 _PARAM = f"{_compat.FSDP2_PACKAGE}._fsdp_param"
 _OUTPUTS = "init_all_gather_outputs"
 _UNSHARDED = "init_unsharded_param"
-_COPY_OUT = "foreach_all_gather_copy_out"
+# the copy-out that calls _OUTPUTS: 2.15 moved it into the default all_gather_output_fn
+_COPY_OUTS = ("foreach_all_gather_copy_out", "_default_all_gather_output_fn")
 _TORCH_TURNS_IT_OFF = ("inference_mode", "is_inference_mode_enabled")
 _WITHOUT = ("RuntimeError: Inplace update to inference tensor outside InferenceMode is not allowed "
             "(at the first training step)")
@@ -99,9 +101,9 @@ def names_in(func: Any) -> set[str]:
     return seen
 
 
-def check_fsdp_param(cls: type, copy_out: Any) -> Verdict:
-    """The structural verdict for an ``FSDPParam`` class and the copy-out function (torch's, or
-    stand-ins in the tests)."""
+def check_fsdp_param(cls: type, copy_outs: tuple[Any, ...]) -> Verdict:
+    """The structural verdict for an ``FSDPParam`` class and the copy-out functions found (torch's,
+    or stand-ins in the tests)."""
     outputs, unsharded = _compat.class_attr(cls, _OUTPUTS), _compat.class_attr(cls, _UNSHARDED)
     if outputs is None or unsharded is None:
         return unsupported(f"FSDPParam has no {_OUTPUTS} / {_UNSHARDED}{_LEFT}")
@@ -112,8 +114,8 @@ def check_fsdp_param(cls: type, copy_out: Any) -> Verdict:
         return unsupported(f"FSDPParam.{_OUTPUTS} does not create all_gather_outputs with torch.empty{_LEFT}")
     if not _compat.reads_names(unsharded, "_unsharded_param", "Parameter"):
         return unsupported(f"FSDPParam.{_UNSHARDED} does not build an nn.Parameter into _unsharded_param{_LEFT}")
-    if copy_out is None or not _compat.reads_names(copy_out, _OUTPUTS):
-        return unsupported(f"{_COPY_OUT} does not create the buffers through FSDPParam.{_OUTPUTS}{_LEFT}")
+    if not any(_compat.reads_names(copy_out, _OUTPUTS) for copy_out in copy_outs):
+        return unsupported(f"the all-gather copy-out does not create the buffers through FSDPParam.{_OUTPUTS}{_LEFT}")
     return needed(
         f"FSDPParam.{_OUTPUTS} / {_UNSHARDED} create the buffers every later unshard reuses in the first "
         "unshard's autograd mode: inference tensors under inference_mode"
@@ -121,8 +123,9 @@ def check_fsdp_param(cls: type, copy_out: Any) -> Verdict:
 
 
 def _structural_check() -> Verdict:
-    copy_out = getattr(_compat.fsdp_module("_fsdp_collectives"), _COPY_OUT, None)
-    return check_fsdp_param(_compat.fsdp_class("_fsdp_param", "FSDPParam"), copy_out)
+    collectives = _compat.fsdp_module("_fsdp_collectives")
+    copy_outs = tuple(getattr(collectives, name) for name in _COPY_OUTS if hasattr(collectives, name))
+    return check_fsdp_param(_compat.fsdp_class("_fsdp_param", "FSDPParam"), copy_outs)
 
 
 def _strikes() -> bool:
