@@ -24,9 +24,9 @@ The bug
 
 Torch versions
     Measured on 2 gloo ranks: 2.13 and 2.15 (fp32 and bf16 ``param_dtype``, reshard after forward
-    or not, HSDP ``(2, 1)``). Read, not run: 2.6 - 2.12 and 2.14 create both the same way. 2.6
-    fails already in the evaluation (its copy-out preserves the buffers' version counters, which
-    inference tensors lack; PyTorch PR 146709 skipped those for 2.7): this patch repairs that too.
+    or not, HSDP ``(2, 1)``). Read, not run: 2.14 and earlier sources (2.6-era on) create both the
+    same way. Before PyTorch PR 146709 the copy-out also preserved the buffers' version counters,
+    which inference tensors lack, so the evaluation itself failed; normal buffers repair that too.
 
 Needed here?
     ``FSDPParam.init_all_gather_outputs`` creates ``all_gather_outputs`` with ``torch.empty`` and
