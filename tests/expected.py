@@ -42,6 +42,7 @@ PATCHES = (
     "stale_backward_recovery",
     "sac_prefetched_unit",
     "dcp_optimizer_state_init",  # waits for torch.distributed.checkpoint.state_dict (Entry.waits_for)
+    "inference_mode_first_forward",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -61,6 +62,7 @@ BUG_OF = {
     "stale_backward_recovery": "n",  # torchtitan issue 1329, composer PR 3866 (no upstream issue)
     "sac_prefetched_unit": "o",  # NeMo Automodel issue 3958, torchtitan issue 3427
     "dcp_optimizer_state_init": "p",  # PyTorch issues 192202, 164929
+    "inference_mode_first_forward": "q",  # no upstream issue; PyTorch PR 197327 fixed another crash
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -142,6 +144,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "sac_prefetched_unit": "applied" if release >= (2, 13) else "unsupported",
         # (p) _init_optim_state's early return and dummy step: measured 2.13, 2.15; read 2.6 - 2.12
         "dcp_optimizer_state_init": "applied",
+        # (q) buffers created in the first unshard's mode: measured 2.13/2.15; read, not run, 2.6-2.12, 2.14
+        "inference_mode_first_forward": "applied",
     }
 
 
@@ -195,6 +199,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (p) measured 2.13, 2.15 (Missing key ... optim.state.<param>.step at dcp.load; a step-0
         # checkpoint's Adam step 1); read, not run, 2.6 - 2.12 (the same _init_optim_state)
         "p": REPRODUCES,
+        # (q) measured 2.13, 2.15 (the first training step after an inference_mode evaluation raises:
+        # in-place update to an inference tensor); read, not run, 2.8 - 2.12 and 2.14 (the same methods)
+        "q": REPRODUCES,
     }
 
 

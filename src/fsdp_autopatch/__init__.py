@@ -32,6 +32,10 @@ switchable by an environment variable, and a registry records what happened:
 * ``stale_backward_recovery``            – the step after a backward that raised trains as if its batch was never seen.
 * ``sac_prefetched_unit``                – an FSDP2 unit unshard()ed or forward-prefetched before a
                                            selective-checkpointing region trains.
+* ``dcp_optimizer_state_init``           – DCP's optimizer state dict has an entry for every trainable parameter and no
+                                           dummy step.
+* ``inference_mode_first_forward``       – an evaluation under `torch.inference_mode()` before the first training step
+                                           does not break training.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

@@ -227,7 +227,8 @@ def test_an_entry_waits_for_its_own_module(monkeypatch, registry):
     log.clear()
     trigger = types.SimpleNamespace(__name__=_process.trigger_of(waiting[0]))  # what the hook passes
     _activate.activate(trigger)
-    assert [name for action, name in log if action == "apply"] == [n for n in waiting if _process.trigger_of(n) == trigger.__name__]
+    applied = [name for action, name in log if action == "apply"]
+    assert applied == [n for n in waiting if _process.trigger_of(n) == trigger.__name__]
     assert set(statuses(registry).values()) == {PatchStatus.APPLIED}, statuses(registry)
 
 

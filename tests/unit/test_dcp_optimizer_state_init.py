@@ -138,8 +138,8 @@ def test_other_optimizers_and_dampening_are_left_to_torch():
                                                                                        dampening=0.5)):
         model = Net()
         optim = make(list(model.parameters()))
-        hooks = []
-        optim.register_step_pre_hook(lambda *a: hooks.append(1))
+        hooks: list[int] = []
+        optim.register_step_pre_hook(lambda *a, seen=hooks: seen.append(1))
         dcp_sd.get_state_dict(model, optim)
         assert hooks == [1]  # torch's dummy step ran
 

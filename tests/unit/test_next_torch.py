@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("torch")
 import torch  # noqa: E402
-import torch.distributed.fsdp  # noqa: E402, F401  (fires the post-import hook if the .pth is active)
 import torch.distributed.checkpoint.state_dict  # noqa: E402, F401  (and the hook of the entries that wait for it)
+import torch.distributed.fsdp  # noqa: E402, F401  (fires the post-import hook if the .pth is active)
 
 import _next_torch as nt  # noqa: E402
 import _next_torch_changes as ch  # noqa: E402
