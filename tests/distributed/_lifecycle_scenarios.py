@@ -4,9 +4,10 @@
 
 * ``save``: per case (``args["cases"]``, names of :data:`CASES`), the uninterrupted run: a fresh
   :class:`LifecycleModel` (an FSDP2 unit per block, the root over the rest), AdamW with weight
-  decay, an evaluation before the first step (``no_grad``, or ``inference_mode`` for the ``/im``
-  cases), :data:`STEPS` steps of 2 micro-batches (gradient sync only on the last), gradient
-  clipping, after each step an evaluation under ``inference_mode`` and one under ``no_grad``, and
+  decay, before the first step an evaluation under ``no_grad`` and one under ``inference_mode``
+  (in this order; the other for the ``/im`` cases: their first forward is under ``inference_mode``),
+  :data:`STEPS` steps of 2 micro-batches (gradient sync only on the last), gradient clipping,
+  after each step an evaluation under ``inference_mode`` and one under ``no_grad``, and
   after step :data:`K` ``dcp.save({"model", "optim"})`` of ``get_state_dict`` (a checkpointing
   loop that goes on). For each case of ``args["step0"]`` a second fresh model and optimizer are
   saved before any step (the step-0 checkpoint). Recorded: every evaluation's loss, the local
@@ -15,7 +16,7 @@
   the set broadcasts rank 0's dict) into a fresh, differently initialised model.
 * ``resume`` (fresh processes): per ``[tag, case, step]`` of ``args["runs"]``, a new model
   (another seed) and optimizer, ``get_state_dict`` as the load template, ``dcp.load`` of the
-  checkpoint the save phase ``tag`` wrote after ``step``, ``set_state_dict``, the evaluation before
+  checkpoint the save phase ``tag`` wrote after ``step``, ``set_state_dict``, the evaluations before
   the first step, then the remaining steps: the same records.
 
 Parameters: ``spare`` is used by no rank; with the unused-param fill (``fill``) ``solo`` is used
@@ -43,7 +44,8 @@ K = 1  # the checkpoint is written after this step (and one before the first: st
 N_MB = 2
 LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 1.0
 RESUME_SEED = 4321  # the resumed model starts elsewhere: the load must bring every value
-# name -> (mesh, unused-param fill, mode of the evaluation before the first step)
+EVAL_MODES = ("inference_mode", "no_grad")
+# name -> (mesh, unused-param fill, mode of the first evaluation before the first step: the first forward)
 CASES = {
     "fsdp/fill": ("fsdp", True, "no_grad"),
     "fsdp/nofill": ("fsdp", False, "no_grad"),
@@ -113,15 +115,17 @@ def evaluate(ctx: sc.Ctx, model: nn.Module, mode: str, after_step: int) -> float
 
 def train(ctx: sc.Ctx, case: str, model: nn.Module, opt: torch.optim.Optimizer, first: int, rec: dict,
           save: str | None = None) -> None:
-    """Steps ``first`` .. STEPS-1 (an evaluation first, two after each step); the records."""
-    _, fill, first_eval = CASES[case]
-    rec["evals"] = {f"{first}/first": evaluate(ctx, model, first_eval, first)}
+    """Steps ``first`` .. STEPS-1 (evaluations under both modes before and after each step); the records."""
+    _, fill, first_mode = CASES[case]
+    rec["evals"] = {}
+    for mode in (first_mode, *(m for m in EVAL_MODES if m != first_mode)):  # the first forward's mode first
+        rec["evals"][f"{first}/{mode}"] = evaluate(ctx, model, mode, first)
     for step in range(first, STEPS):
         sc._run_step(ctx, model, functools.partial(plan, fill), step, N_MB)
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
-        for mode in ("inference_mode", "no_grad"):
+        for mode in EVAL_MODES:
             rec["evals"][f"{step + 1}/{mode}"] = evaluate(ctx, model, mode, step + 1)
         if step + 1 == K and save is not None:
             checkpoint(model, opt, f"{save}/step{K}")
