@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from . import _process
+from . import _hook, _process
 from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchStatus, StatusReport
 from ._version import __version__
@@ -77,6 +77,8 @@ def _import_fsdp2() -> None:
         return
     if HOOK_TARGET not in sys.modules:
         _mark_pending_unsupported(f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)")
+        return
+    _hook.import_waited_for()
 
 
 def _mark_pending_unsupported(reason: str) -> None:

@@ -359,4 +359,11 @@ def _import_fsdp2() -> str | None:
             warnings.simplefilter("ignore", ConfigWarning)
             # what the patches would do had the bootstrap run (the hook never raises, but strict)
             _hook.on_fsdp_import(sys.modules[HOOK_TARGET])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        _hook.import_waited_for()  # DCP's state_dict: its hook applies the entries that wait for it
+        if nothing_ran and _process.disabled_at_start() is None:
+            for target in _process.hook_targets()[1:]:
+                if target in sys.modules:
+                    _hook.on_fsdp_import(sys.modules[target])
     return None

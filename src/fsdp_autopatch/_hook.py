@@ -36,6 +36,19 @@ def on_fsdp_import(module):
         )
 
 
+def import_waited_for():
+    """Import the modules some entries wait for (DCP's state_dict), as a training run that
+    checkpoints does, so that ``status`` and ``doctor`` answer for those entries too. Their own
+    hooks apply them; a module that does not import leaves its entries pending, and says nothing."""
+    import importlib
+
+    for target in _process.hook_targets()[1:]:
+        try:
+            importlib.import_module(target)
+        except Exception:
+            pass
+
+
 def strict():
     """``FSDP_AUTOPATCH_STRICT`` read without ``_config``; its value is only compared with fixed words."""
     return os.environ.get(STRICT, "").strip().lower() in ("1", "true", "yes", "on")
