@@ -25,6 +25,7 @@ record is the same on every rank (full tensors):
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from pathlib import Path
@@ -44,6 +45,10 @@ import _next_torch as nt  # noqa: E402
 import _next_torch_changes as ch  # noqa: E402
 import _post_forward_mesh_cache_scenarios as mc  # noqa: E402
 from _registry import scenario  # noqa: E402
+
+# a run that checkpoints: the entries that wait for DCP's state_dict are applied too (after the
+# modules above, which bind clip_grad_norm_ before FSDP2 is imported)
+importlib.import_module("torch.distributed.checkpoint.state_dict")
 
 CLIP_LAYOUTS = ("two_1d", "one_mesh")
 _meshes: dict[str, Any] = {}
