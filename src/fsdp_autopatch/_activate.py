@@ -67,10 +67,14 @@ def activate(module: Any = None) -> None:
 def _run_when_imported(name: str, settings: Settings) -> None:
     """Try ``name`` if the module it waits for is imported (FSDP2's: this activation is its hook's, or
     an explicit one after it), or if this torch has no such module (its check says so: unsupported);
-    otherwise it stays pending until that module's own hook applies it."""
+    otherwise it stays pending until that module's own hook applies it (switched off, it says so now)."""
     trigger = _process.trigger_of(name)
     if trigger == _process.HOOK_TARGET or _process.imported(trigger) or not _process.importable(trigger):
         _run_fix(name, settings, patches.load_patch)
+        return
+    decision = settings.decision(name)
+    if not decision.enabled:
+        _record(name, PatchStatus.DISABLED, f"disabled by {decision.describe()}", decision)
 
 
 def _activate_waiting_for(trigger: str) -> None:

@@ -27,6 +27,7 @@ import json
 import torch.distributed.fsdp
 from fsdp_autopatch._catalogue import PATCH_NAMES
 from fsdp_autopatch._patching import import_sites, original_of, resolve
+from fsdp_autopatch._process import HOOK_TARGET, trigger_of
 from fsdp_autopatch._spec import Wrap
 from fsdp_autopatch.patches import load_patch
 
@@ -41,7 +42,10 @@ def point_name(module, owner, attribute):
 points, by_patch = {}, {}
 for patch_name in PATCH_NAMES:
     mine = []
-    for target in load_patch(patch_name).targets:
+    # an entry that waits for another module (DCP's state_dict) is pending in the probes, which
+    # import FSDP2 only: it wraps nothing there
+    targets = load_patch(patch_name).targets if trigger_of(patch_name) == HOOK_TARGET else ()
+    for target in targets:
         if not isinstance(target, Wrap) or (target.when is not None and not target.when()):
             continue
         module, _, qualified = target.path.partition(":")
