@@ -136,7 +136,9 @@ def format_summary(report: StatusReport) -> str:
     rows = [("PATCH", "KIND", "STATUS", "FIRED", "WHY")]
     rows += [(r.name, _kind(r.name), r.status.value, str(r.fired), _gist(r)) for r in report.patches]
     lines = [_header(report), "", *table(rows, right=frozenset({3}))]
-    lines += [shorten(f"policy {name}: {description}", WIDTH) for name, description in report.policies.items()]
+    lines += _failures(report)
+    for name, description in report.policies.items():
+        lines += _wrap(f"policy {name}: {description}")
     providers: dict[str, int] = {}
     for record in report.patches:
         if record.provider:
@@ -149,6 +151,25 @@ def format_summary(report: StatusReport) -> str:
     if report.bootstrap == "not_run":
         lines += textwrap.wrap(_NOT_RUN, WIDTH)
     return "\n".join(lines)
+
+
+def _failures(report: StatusReport, most: int = 3) -> list[str]:
+    """What failed is what a user must read: each distinct reason once (the whole hook failing
+    fails every patch with one reason), wrapped at 100 columns."""
+    grouped: dict[str, list[str]] = {}
+    for record in report.patches:
+        if record.status is PatchStatus.FAILED:
+            grouped.setdefault(_TORCH_PREFIX.sub("", record.reason), []).append(record.name)
+    lines = []
+    for reason, names in list(grouped.items())[:most]:
+        who = names[0] if len(names) == 1 else f"({len(names)} patches)"
+        lines += _wrap(f"failed {who}: {reason}")
+    return lines + ([f"failed: {len(grouped) - most} more reasons (status -v)"] if len(grouped) > most else [])
+
+
+def _wrap(text: str) -> list[str]:
+    """A footer item: at most 3 lines of 100 columns (module names are never split)."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False, max_lines=3, placeholder=" ...")
 
 
 def _kind(name: str) -> str:
