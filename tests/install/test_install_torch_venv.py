@@ -232,6 +232,8 @@ def test_console_script_prints_a_table(torch_venv: Venv, wheel) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"fsdp-autopatch {version}") and f"torch {TORCH_VERSION}" in lines[0], lines[0]
     assert "bootstrap: pth" in lines[0]
-    assert any(re.match(r"PATCH\s+STATUS\s+FIRED\s+REASON", line) for line in lines), result.stdout
+    assert any(re.match(r"PATCH\s+KIND\s+STATUS\s+FIRED\s+WHY", line) for line in lines), result.stdout
     for name, status in DEFAULT_STATUSES.items():
-        assert any(re.match(rf"{name}\s+{status}\s+\S", line) for line in lines), (name, result.stdout)
+        row = re.compile(rf"{name}\s+(fix|guard)\s+{status}\s+\d+\s+\S")
+        assert any(row.match(line) for line in lines), (name, result.stdout)
+    assert max(map(len, lines)) <= 100, result.stdout  # fits a terminal; status -v has the whole reasons
