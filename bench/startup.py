@@ -168,6 +168,23 @@ def site_main_times(pythons: dict[str, Path], rounds: int) -> dict[str, list[flo
     return times
 
 
+def instructions(python: Path, runs: int = 3) -> int | None:
+    """User-space instructions of ``python -c pass`` (valgrind's cachegrind, median of ``runs``,
+    ``PYTHONHASHSEED=0``): the same count run after run however loaded the machine is, where CPU
+    time on a busy machine moves by more than the plugin costs. Kernel time is not in it."""
+    if shutil.which("valgrind") is None:
+        return None
+    counts = []
+    for _ in range(runs):
+        err = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                              str(python), "-c", "pass"], env={**ENV, "PYTHONHASHSEED": "0"}, text=True,
+                             capture_output=True, timeout=600).stderr
+        m = re.search(r"I\s+refs:\s+([\d,]+)", err)
+        if m:
+            counts.append(int(m.group(1).replace(",", "")))
+    return int(statistics.median(counts)) if counts else None
+
+
 def modules_after(python: Path, code: str) -> list[str]:
     out = sh([python, "-c", f"{code}\nimport sys, json; print(json.dumps(sorted(sys.modules)))"]).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -323,6 +340,14 @@ def startup(pythons: dict[str, Path], args) -> dict:
             for name, ms in value.items():
                 versus = "" if name == "without plugin" else f"  ratio {ms / base:.3f} ({(ms - base) * 1e3:+.0f} µs)"
                 print(f"    {stat:<6} {name:<21} {ms:7.2f} ms{versus}")
+    counts = {name: instructions(py) for name, py in pythons.items()}
+    if all(counts.values()):
+        result["instructions"] = counts
+        print("  instructions (valgrind, deterministic; user space only)")
+        for name, count in counts.items():
+            base = counts["without plugin"]
+            versus = "" if name == "without plugin" else f"  ratio {count / base:.4f} ({count - base:+,})"
+            print(f"    {name:<28} {count:>12,}{versus}")
     for name in added:
         print(f"  {name}: the .pth adds {', '.join(added[name]) or 'no module'} to sys.modules; "
               f"their -X importtime {result['bootstrap_import_ms'][name] * 1e3:.0f} µs")

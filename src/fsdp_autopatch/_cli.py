@@ -1,15 +1,26 @@
-"""``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [--json]``, ``doctor [--json]`` and ``demo``."""
+"""``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [-v] [NAME] [--json]``, ``doctor [--json]``
+and ``demo``.
+
+``status`` prints one line per patch within 100 columns (name, kind, status, fired, the start of
+the reason) and a short footer; ``status -v`` each whole reason and toggle; ``status NAME`` one
+entry in full. ``--json`` is the whole report, the same keys whatever the other options.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
 
-from . import _hook, _process
+from . import _catalogue, _hook, _process
+from ._columns import WIDTH, shorten, table
+from ._config import KILL_SWITCH, PREFIX
 from ._process import HOOK_TARGET
-from ._registry import REGISTRY, PatchStatus, StatusReport
+from ._registry import REGISTRY, PatchRecord, PatchStatus, PolicyRecord, StatusReport
 from ._version import __version__
 
 
@@ -23,7 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in (None, "status"):
-        return _status(as_json=getattr(args, "json", False))
+        return _status(
+            as_json=getattr(args, "json", False), verbose=getattr(args, "verbose", False),
+            name=getattr(args, "name", None), parser=getattr(args, "status_parser", parser),
+        )
     if args.command == "doctor":
         from . import _doctor
 
@@ -42,7 +56,10 @@ def _build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status", help="import torch's FSDP2 and show which patches applied here, and why"
     )
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("name", nargs="?", metavar="NAME", help="show this one fix, guard or policy in full")
+    status.add_argument("-v", "--verbose", action="store_true", help="every whole reason and toggle")
+    status.add_argument("--json", action="store_true", help="machine-readable output (the whole report)")
+    status.set_defaults(status_parser=status)
     doctor = commands.add_parser(
         "doctor",
         help="explain whether runs started like this one are protected, and what to do if not "
@@ -58,14 +75,32 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _status(as_json: bool) -> int:
+def _status(as_json: bool, verbose: bool, name: str | None, parser: argparse.ArgumentParser) -> int:
     _import_fsdp2()
     report = REGISTRY.snapshot()
+    if name is not None:
+        return _status_of_one(report, name, as_json, parser)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print(format_table(report))
+        print(format_table(report) if verbose else format_summary(report))
     return 1 if any(r.status is PatchStatus.FAILED for r in report.patches) else 0
+
+
+def _status_of_one(report: StatusReport, name: str, as_json: bool, parser: argparse.ArgumentParser) -> int:
+    record = next((r for r in report.patches if r.name == name), None)
+    policy = next((p for p in report.policy_records if p.name == name), None)
+    if record is None and policy is None and name not in _catalogue.POLICIES:
+        known = [r.name for r in report.patches] + list(_catalogue.POLICIES)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        parser.error(f"no fix, guard or policy named {name!r}{hint} (`fsdp-autopatch status` lists them)")
+    if as_json:
+        print(json.dumps(record.to_dict() if record else _policy_dict(name, policy), indent=2))
+    else:
+        print("\n".join([_header(report), "", *(_entry_lines(record) if record else _policy_lines(name, policy))]))
+    failed = (record or policy) is not None and (record or policy).status is PatchStatus.FAILED
+    return 1 if failed else 0
 
 
 def _import_fsdp2() -> None:
@@ -88,9 +123,113 @@ def _mark_pending_unsupported(reason: str) -> None:
         REGISTRY.settle_pending(PatchStatus.UNSUPPORTED, reason)
 
 
+def _header(report: StatusReport) -> str:
+    return f"fsdp-autopatch {report.version}   torch {report.torch or 'not installed'}   bootstrap: {report.bootstrap}"
+
+
+_NOT_RUN = (
+    "note: the start-up hook did not run in this process (python -S, or the package is not "
+    "installed into this environment); call fsdp_autopatch.install() yourself."
+)
+
+
+def format_summary(report: StatusReport) -> str:
+    """``status``: one line per patch within 100 columns, then the policies and where to read more."""
+    rows = [("PATCH", "KIND", "STATUS", "FIRED", "WHY")]
+    rows += [(r.name, _kind(r.name), r.status.value, str(r.fired), _gist(r)) for r in report.patches]
+    lines = [_header(report), "", *table(rows, right=frozenset({3}))]
+    lines += _failures(report)
+    for name, description in report.policies.items():
+        lines += _wrap(f"policy {name}: {description}")
+    providers: dict[str, int] = {}
+    for record in report.patches:
+        if record.provider:
+            providers[record.provider] = providers.get(record.provider, 0) + 1
+    if providers:  # which patch is whose: status NAME
+        listed = ", ".join(f"{provider} ({count})" for provider, count in sorted(providers.items()))
+        lines.append(shorten(f"third-party patches from: {listed}", WIDTH))
+    lines.append(f"toggles: {PREFIX}<PATCH>_ENABLED=0|1 switches one, {KILL_SWITCH}=0 all of them")
+    lines.append("more: fsdp-autopatch status -v (whole reasons, toggles), status NAME (one entry), --json")
+    if report.bootstrap == "not_run":
+        lines += textwrap.wrap(_NOT_RUN, WIDTH)
+    return "\n".join(lines)
+
+
+def _failures(report: StatusReport, most: int = 3) -> list[str]:
+    """What failed is what a user must read: each distinct reason once (the whole hook failing
+    fails every patch with one reason), wrapped at 100 columns."""
+    grouped: dict[str, list[str]] = {}
+    for record in report.patches:
+        if record.status is PatchStatus.FAILED:
+            grouped.setdefault(_TORCH_PREFIX.sub("", record.reason), []).append(record.name)
+    lines = []
+    for reason, names in list(grouped.items())[:most]:
+        who = names[0] if len(names) == 1 else f"({len(names)} patches)"
+        lines += _wrap(f"failed {who}: {reason}")
+    return lines + ([f"failed: {len(grouped) - most} more reasons (status -v)"] if len(grouped) > most else [])
+
+
+def _wrap(text: str) -> list[str]:
+    """A footer item: at most 3 lines of 100 columns (module names are never split)."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False, max_lines=3, placeholder=" ...")
+
+
+def _kind(name: str) -> str:
+    entry = _catalogue.BY_NAME.get(name)
+    return entry.kind if entry is not None else _catalogue.FIX  # another distribution's patch is a fix
+
+
+# "torch 2.13.0: " opens most reasons: the header already says which torch
+_TORCH_PREFIX = re.compile(r"^torch \S+: ")
+
+
+def _gist(record: PatchRecord) -> str:
+    """A few words of why: the reason without its torch prefix, up to its first "; ". A patch
+    switched off by its own toggle says so in words: the toggle's name is longer than the room."""
+    if record.status is PatchStatus.DISABLED and record.variable == record.env:
+        return f"by its own toggle, set to {(record.value or '').strip()}"
+    reason = _TORCH_PREFIX.sub("", record.reason).split("; ", 1)[0]
+    if record.status is PatchStatus.DISABLED and reason.startswith("disabled by "):
+        return reason[len("disabled "):]  # the STATUS column says "disabled"
+    return reason
+
+
+def _wrapped(label: str, text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=f"  {label}: ", subsequent_indent=" " * (len(label) + 4),
+                         break_on_hyphens=False) or [f"  {label}:"]
+
+
+def _entry_lines(record: PatchRecord) -> list[str]:
+    """``status NAME`` for a fix or guard: every field of its record, wrapped at 100 columns."""
+    lines = [f"{record.name}: {_kind(record.name)}, {record.status.value}, fired {record.fired} time"
+             + ("" if record.fired == 1 else "s"), *_wrapped("why", record.reason)]
+    if record.decided_by:
+        lines.append(f"  decided by: {record.decided_by}")
+    if record.variable is not None:
+        lines.append(f"  set by: {record.variable}={record.value}")
+    lines.append(f"  toggle: {record.env}=0|1")
+    if record.provider:
+        lines.append(f"  from: {record.provider}")
+    return lines
+
+
+def _policy_lines(name: str, policy: PolicyRecord | None) -> list[str]:
+    variable = _catalogue.BY_NAME[name].toggle
+    if policy is None:
+        return [f"{name}: policy, off", f"  toggle: {variable}=1 switches it on"]
+    return [f"{name}: policy, {policy.status.value}", *_wrapped("what", policy.description),
+            f"  toggle: {variable}=0|1"]
+
+
+def _policy_dict(name: str, policy: PolicyRecord | None) -> dict[str, str]:
+    if policy is None:
+        return {"name": name, "status": "off", "description": ""}
+    return {"name": name, "status": policy.status.value, "description": policy.description}
+
+
 def format_table(report: StatusReport) -> str:
-    torch = report.torch or "not installed"
-    lines = [f"fsdp-autopatch {report.version}   torch {torch}   bootstrap: {report.bootstrap}", ""]
+    """``status -v``: each patch's whole reason and its toggle (what ``status`` printed up to 0.2)."""
+    lines = [_header(report), ""]
     width = max(len(r.name) for r in report.patches)
     lines.append(f"{'PATCH':<{width}}  {'STATUS':<11}  {'FIRED':>5}  REASON")
     for record in report.patches:
@@ -100,8 +239,5 @@ def format_table(report: StatusReport) -> str:
     for name, description in report.policies.items():
         lines.append(f"policy {name}: {description}")
     if report.bootstrap == "not_run":
-        lines.append(
-            "note: the start-up hook did not run in this process (python -S, or the package is not "
-            "installed into this environment); call fsdp_autopatch.install() yourself."
-        )
+        lines.append(_NOT_RUN)
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import _dist_checks as ck
+from fsdp_autopatch._catalogue import BY_NAME, GUARD
 from fsdp_autopatch.demo import bugs
 
 pytestmark = pytest.mark.timeout(200)
@@ -48,4 +49,7 @@ def test_demo_bug_shows_the_failure_then_the_right_value(name):
     else:  # a release tests/expected.py has not measured: either outcome, shown
         assert "==> REPRODUCED" in without or "==> right: this torch does not have the bug" in without, out
     assert "\n==> right" in with_patch, out
+    if BY_NAME[name].kind == GUARD:  # the guard's error whole, as the user's own run prints it
+        assert f"    GuardError: fsdp-autopatch guard {name}: " in with_patch, out
+        assert f"set FSDP_AUTOPATCH_{name.upper()}_ENABLED=0.\n" in with_patch, out
     assert f"demo --bug {name}" in out and "upstream:" in out, out

@@ -50,7 +50,7 @@ def test_editable_start_up_runs_the_bootstrap_from_the_checkout(editable_venv: V
         print(json.dumps({
             "bootstrap": bootstrap is not None,
             "file": getattr(bootstrap, "__file__", None),
-            "triggers": sum(getattr(f, "__module__", "") == "_fsdp_autopatch_bootstrap" for f in sys.meta_path),
+            "triggers": sum(f is sys.modules.get("_fsdp_autopatch_bootstrap") for f in sys.meta_path),
             "heavy": [m for m in ("torch", "wrapt", "packaging", "inspect", "importlib.metadata") if m in sys.modules],
         }))
         """

@@ -60,10 +60,10 @@ def test_pth_is_one_import_line_at_the_wheel_root(wheel: Path) -> None:
     (line,) = lines
     # site.addpackage executes a line only if it starts with "import" followed by a space or tab.
     assert line.startswith(("import ", "import\t")), line
-    # One top-level module: a submodule would make Python execute the package's __init__ too.
-    assert "import _fsdp_autopatch_bootstrap as b" in line and "install" in line, line
-    # The line must not be able to raise (a raising .pth line prints a traceback at every start).
-    assert "try:" in line and "except Exception" in line, line
+    # One top-level module: a submodule would make Python execute the package's __init__ too. The
+    # line is nothing more (site compiles it at every start, twice in a venv): the module starts
+    # the plugin when site imports it, and never raises (tests/unit/test_bootstrap.py).
+    assert line == "import _fsdp_autopatch_bootstrap", line
 
 
 def test_start_file_names_an_existing_callable(wheel: Path) -> None:

@@ -68,7 +68,7 @@ def test_start_file_entry_point_works(plain_venv: Venv) -> None:
         getattr(importlib.import_module(module), function)()
         getattr(importlib.import_module(module), function)()  # 3.15 does not de-duplicate either
         import fsdp_autopatch as plugin   # the start file imports only the bootstrap
-        triggers = [f for f in sys.meta_path if getattr(f, "__module__", "") == module]
+        triggers = [f for f in sys.meta_path if f is sys.modules[module]]  # the trigger: the module itself
         print(json.dumps([plugin.status().bootstrap, len(triggers)]))
         """,
         flags=("-S",),

@@ -53,7 +53,7 @@ PROGRAM = """
     import torch.distributed.fsdp
     import fsdp_autopatch
     print(json.dumps({"before": before, "report": fsdp_autopatch.status().to_dict(),
-                      "finders": sum(f is bootstrap._TorchImportTrigger for f in sys.meta_path)}))
+                      "finders": sum(f is bootstrap for f in sys.meta_path)}))
 """
 
 
@@ -163,7 +163,7 @@ def test_the_package_name_of_the_bootstrap_is_the_same_module(fake_torch):
         new.install("pth")                 # and this install's own
         import torch.distributed.fsdp, fsdp_autopatch
         print(json.dumps({"same": old is new and fsdp_autopatch._bootstrap is new,
-                          "triggers": sum(f is new._TorchImportTrigger for f in sys.meta_path),
+                          "triggers": sum(f is new for f in sys.meta_path),
                           "report": fsdp_autopatch.status().to_dict()}))
     """
     result = run(code, fake_torch)
@@ -239,3 +239,33 @@ def test_version_is_loaded_on_first_use():
     from fsdp_autopatch import __version__
 
     assert __version__ == _version.__version__
+
+
+def test_only_site_importing_the_bootstrap_starts_the_plugin():
+    """The .pth line is ``import _fsdp_autopatch_bootstrap``: the module starts the plugin ("pth")
+    when ``site`` imports it for a .pth line, and only then. A plain import (``python -S``, the
+    package, a test) arms nothing; the .start file's ``start`` says "start"."""
+    code = f"""
+        import json, pkgutil, site, sys
+        import _fsdp_autopatch_bootstrap as plain
+        seen = {{"plain": [plain.source, plain in sys.meta_path]}}
+        del sys.modules["_fsdp_autopatch_bootstrap"]
+        site.addpackage({os.path.abspath(SRC)!r}, "fsdp_autopatch.pth", set())   # what site does at start
+        by_site = sys.modules["_fsdp_autopatch_bootstrap"]
+        seen["site"] = [by_site.source, sum(f is by_site for f in sys.meta_path)]
+        site.addpackage({os.path.abspath(SRC)!r}, "fsdp_autopatch.pth", set())   # a venv's second pass
+        seen["again"] = [by_site.source, sum(f is by_site for f in sys.meta_path)]
+        sys.meta_path.remove(by_site)
+        del sys.modules["_fsdp_autopatch_bootstrap"]
+        pkgutil.resolve_name("_fsdp_autopatch_bootstrap:start")()   # what a PEP 829 site does
+        by_start = sys.modules["_fsdp_autopatch_bootstrap"]
+        seen["start"] = [by_start.source, sum(f is by_start for f in sys.meta_path)]
+        print(json.dumps(seen))
+    """
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": os.path.abspath(SRC)}, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert json.loads(result.stdout) == {"plain": [None, False], "site": ["pth", 1], "again": ["pth", 1],
+                                         "start": ["start", 1]}

@@ -171,7 +171,7 @@ PROGRAM = """
     import fsdp_autopatch
     print(json.dumps({{
         "report": fsdp_autopatch.status().to_dict(),
-        "triggers": sum(f is bootstrap._TorchImportTrigger for f in sys.meta_path),
+        "triggers": sum(f is bootstrap for f in sys.meta_path),
     }}))
 """
 
@@ -419,7 +419,7 @@ def test_pth_line_executed_three_times_arms_and_activates_once(fake_torch):
         print(json.dumps({{
             "calls": calls,
             "report": fsdp_autopatch.status().to_dict(),
-            "triggers": sum(f is bootstrap._TorchImportTrigger for f in sys.meta_path),
+            "triggers": sum(f is bootstrap for f in sys.meta_path),
         }}))
     """
     result = run_child(code, path=[fake_torch])

@@ -69,3 +69,11 @@ def grads_verdict(model, build, loss_of, world_size: int, rank: int) -> tuple[fl
 
 def sum_loss(model, batch):
     return model(batch).pow(2).sum()
+
+
+def guard_stopped(error: BaseException, what: str) -> dict[str, Any]:
+    """A guard show's result when ``error`` stopped the run: the guard's whole ``GuardError``, as the
+    user's own run would print it (anything else is re-raised: the worker reports it)."""
+    if type(error).__name__ != "GuardError":
+        raise error
+    return {"right": True, "value": f"{what} with the guard's error:", "guard_error": f"GuardError: {error}"}

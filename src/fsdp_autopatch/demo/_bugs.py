@@ -8,6 +8,7 @@ plugin as installed shows the right value. Both are bounded by the demo's timeou
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 from . import bugs
@@ -73,5 +74,7 @@ def demo_bug(name: str, timeout_s: float = RUN_TIMEOUT_S) -> int:
     label = "right: this torch does not have the bug" if off_right else "REPRODUCED"
     print(f"\nwithout the patch [{off.seconds:.1f} s]: {off_text}\n==> {label}")
     print(f"\nwith the patch [{on.seconds:.1f} s], {_status_line(on)}: {on_text}")
+    if on_right and on.rank0.get("guard_error"):  # whole: it is what the user's own run prints
+        print(textwrap.indent(on.rank0["guard_error"], "    "))
     print(f"==> {'right' if on_right else 'WRONG'}" + (f": {declared['summary']}" if on_right and declared else ""))
     return 0 if on_right else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .._columns import table
 from ._judges import JUDGES
 from ._model import (
     GRAD_TOLERANCE,
@@ -28,11 +29,10 @@ def _print_registry(rank0: dict[str, Any]) -> None:
         return
     print(f"Patch registry (rank 0): fsdp_autopatch {registry.get('version')}, "
           f"torch {registry.get('torch')}, bootstrap={registry.get('bootstrap')}")
-    for patch in registry.get("patches", []):
-        reason = patch.get("reason") or ""
-        if len(reason) > 72:
-            reason = reason[:69] + "..."
-        print(f"  {patch['name']:<27} {patch['status']:<11} {reason}")
+    # columns sized from the names, the reason cut to what is left of 100 columns (as `status` does)
+    rows = [(p["name"], p["status"], p.get("reason") or "") for p in registry.get("patches", [])]
+    for line in table(rows, indent="  "):
+        print(line)
     if rank0.get("install_note"):
         print(f"  note: {rank0['install_note']}")
 

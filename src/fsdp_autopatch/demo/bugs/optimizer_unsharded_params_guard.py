@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._bug_common import DIM, fsdp_api, rank_batch, sum_loss, sum_reduction
+from .._bug_common import DIM, fsdp_api, guard_stopped, rank_batch, sum_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = (
@@ -42,9 +42,7 @@ def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
     except Exception as error:  # the guard's GuardError, raised alike on every rank
-        if type(error).__name__ != "GuardError":
-            raise
-        return {"right": True, "value": f"the first step stopped: {str(error)[:160]}..."}
+        return guard_stopped(error, "the first step stopped")
     moved = float((model[2].weight.full_tensor() - head_before).abs().max())  # collective
     held = sum(1 for g in optimizer.param_groups for p in g["params"] if p is model[2].weight)
     value = f"after {STEPS} steps the root's head.weight moved by {moved:.1e}"

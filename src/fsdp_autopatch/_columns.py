@@ -1,0 +1,56 @@
+"""Tables for a terminal: ``status`` and the demo's registry table. Standard library only.
+
+Every column is as wide as its longest cell (names are never cut: a third-party patch's name can be
+long), and the last column, the free text, gets what is left of :data:`WIDTH` columns, cut at a
+word with ``...``; when the other columns leave it too little room, it goes on its own indented
+line below its row instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+WIDTH = 100  # what a user's terminal shows without wrapping (80- and 120-column terminals alike)
+MIN_TEXT = 24  # the least room worth giving the free-text column beside the others
+GAP = "  "
+ELLIPSIS = "..."
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` on one line in at most ``width`` characters: whitespace collapsed, cut at a word
+    (or mid-word when a single word is longer than half the room) and ended with ``...``."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    if width <= len(ELLIPSIS):
+        return text[:width]
+    cut = text[: width - len(ELLIPSIS) + 1]
+    space = cut.rfind(" ")
+    cut = cut[:space] if space > width // 2 else cut[:-1]
+    return cut.rstrip(" ,;:") + ELLIPSIS
+
+
+def table(
+    rows: Sequence[Sequence[str]],
+    right: frozenset[int] = frozenset(),
+    indent: str = "",
+    width: int = WIDTH,
+) -> list[str]:
+    """One line per row (two where the text goes below): ``rows[i][:-1]`` are the fixed columns
+    (right-aligned where their index is in ``right``), ``rows[i][-1]`` the free text."""
+    if not rows:
+        return []
+    columns = len(rows[0]) - 1
+    sizes = [max(len(row[i]) for row in rows) for i in range(columns)]
+    room = width - len(indent) - sum(sizes) - len(GAP) * columns
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(size) if i in right else cell.ljust(size) for i, (cell, size) in enumerate(zip(row, sizes))]
+        head = indent + GAP.join(cells)
+        if room >= MIN_TEXT:
+            lines.append(f"{head}{GAP}{shorten(row[-1], room)}".rstrip())
+        else:  # the names are too long for the text beside them: the text goes below, indented
+            lines.append(head.rstrip())
+            if row[-1]:
+                lines.append(f"{indent}    {shorten(row[-1], width - len(indent) - 4)}")
+    return lines

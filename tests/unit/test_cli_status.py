@@ -1,0 +1,138 @@
+"""``fsdp-autopatch status``: one line per patch within 100 columns, ``-v`` the whole detail, ``NAME``.
+
+The real registry (FSDP2 imported in this process, torch 2.13: every patch decided) and a report
+with another distribution's long-named patch. Fast: FSDP2 is imported once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_autopatch import _catalogue, _cli
+from fsdp_autopatch._columns import WIDTH, shorten, table
+from fsdp_autopatch._registry import PatchRecord, PatchStatus, PolicyRecord, StatusReport
+
+LONG_NAME = "acme_training_framework_keep_expert_parallel_tags_on_reshard"  # 60 characters
+TOGGLE = "FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED"
+LONG_REASON = "torch 2.13.0: " + "a long reason with many words in it; " * 12
+
+
+def _report(*extra: PatchRecord) -> StatusReport:
+    patches = (
+        PatchRecord("accumulated_grad_guard", PatchStatus.APPLIED, "torch 2.13.0: reads it; the version range agrees",
+                    "FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED", "version range and structural check"),
+        PatchRecord("compiled_autograd_guard", PatchStatus.DISABLED, f"disabled by {TOGGLE}=0", TOGGLE,
+                    variable=TOGGLE, value="0", fired=3),
+        *extra,
+    )
+    policy = PolicyRecord("cross_rank_check", PatchStatus.APPLIED, "once per process group at the root's first forward")
+    return StatusReport("0.2.0", "2.13.0+cpu", "pth", patches, {policy.name: policy.description}, (policy,))
+
+
+THIRD_PARTY = PatchRecord(LONG_NAME, PatchStatus.FAILED, LONG_REASON, f"FSDP_AUTOPATCH_{LONG_NAME.upper()}_ENABLED",
+                          provider="acme-training-framework 1.4.0")
+
+
+def _width(text: str) -> int:
+    return max(len(line) for line in text.splitlines())
+
+
+@pytest.fixture(scope="module")
+def real_output():
+    """``status``, ``status -v`` and ``status uniform_reduce_dtype`` on the real registry."""
+    import contextlib
+    import io
+
+    outputs = {}
+    for argv in (["status"], ["status", "-v"], ["status", "uniform_reduce_dtype"], ["status", "--json"]):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = _cli.main(argv)
+        outputs[argv[-1]] = (code, buffer.getvalue())
+    return outputs
+
+
+def test_default_status_fits_100_columns_with_the_real_registry(real_output):
+    code, text = real_output["status"]
+    report = json.loads(real_output["--json"][1])
+    assert code == 0 and report["torch"].startswith("2.13")
+    assert _width(text) <= WIDTH, text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line and line.split()[0] in
+            {p["name"] for p in report["patches"]}}
+    assert list(rows) == [p["name"] for p in report["patches"]]  # one line each, every name whole
+    for patch in report["patches"]:
+        name, kind, status, fired = rows[patch["name"]][:4]
+        assert (kind, status, fired) == (_catalogue.BY_NAME[name].kind, patch["status"], str(patch["fired"]))
+    assert "policy cross_rank_check: " in text and "status -v" in text and "toggle: " not in text
+
+
+def test_verbose_status_is_the_whole_detail(real_output):
+    code, text = real_output["-v"]
+    report = _cli.REGISTRY.snapshot()
+    assert code == 0 and text == _cli.format_table(report) + "\n"
+    for record in report.patches:
+        assert f"  {record.reason}\n" in text and f"toggle: {record.env}=0|1" in text
+
+
+def test_one_entry_shows_its_whole_reason(real_output):
+    code, text = real_output["uniform_reduce_dtype"]
+    record = _cli.REGISTRY.snapshot()["uniform_reduce_dtype"]
+    assert code == 0 and _width(text) <= WIDTH, text
+    lines = text.splitlines()
+    assert lines[2] == f"uniform_reduce_dtype: fix, {record.status.value}, fired {record.fired} times"
+    why = " ".join(line.strip() for line in lines[3:] if not line.lstrip().startswith(("decided by:", "toggle:")))
+    assert why == f"why: {record.reason}"
+    assert f"  toggle: {record.env}=0|1" in lines
+
+
+def test_unknown_name_is_a_usage_error_with_a_suggestion(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        _cli.main(["status", "uniform_reduce_dtyp"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: fsdp-autopatch status" in err
+    assert "no fix, guard or policy named 'uniform_reduce_dtyp'; did you mean 'uniform_reduce_dtype'?" in err
+
+
+def test_verbose_format_is_unchanged():
+    """``-v`` prints exactly what ``status`` printed up to 0.2 (scripts may parse it)."""
+    assert _cli.format_table(_report()).splitlines() == [
+        "fsdp-autopatch 0.2.0   torch 2.13.0+cpu   bootstrap: pth",
+        "",
+        "PATCH                    STATUS       FIRED  REASON",
+        "accumulated_grad_guard   applied          0  torch 2.13.0: reads it; the version range agrees",
+        "                                             toggle: FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED=0|1",
+        "compiled_autograd_guard  disabled         3  disabled by FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED=0",
+        "                                             toggle: FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED=0|1",
+        "policy cross_rank_check: once per process group at the root's first forward",
+    ]
+
+
+def test_a_long_third_party_name_stays_whole_and_its_reason_goes_below():
+    text = _cli.format_summary(_report(THIRD_PARTY))
+    assert _width(text) <= WIDTH, text
+    lines = text.splitlines()
+    (row,) = [i for i, line in enumerate(lines) if line.startswith(LONG_NAME + " ")]
+    assert lines[row].split() == [LONG_NAME, "fix", "failed", "0"]
+    assert lines[row + 1] == "    a long reason with many words in it"  # below its row, up to its first "; "
+    assert "third-party patches from: acme-training-framework 1.4.0 (1)" in text
+    entry = _cli._entry_lines(THIRD_PARTY)
+    assert max(map(len, entry)) <= WIDTH and "  from: acme-training-framework 1.4.0" in entry
+
+
+def test_the_summary_columns_line_up():
+    lines = _cli.format_summary(_report()).splitlines()
+    header = lines[2]
+    assert header.split() == ["PATCH", "KIND", "STATUS", "FIRED", "WHY"]
+    assert lines[3].index("applied") == lines[4].index("disabled") == header.index("STATUS")
+    assert lines[3].endswith("  reads it") and lines[4].endswith("  by its own toggle, set to 0")
+
+
+def test_shorten_and_table():
+    assert shorten("one two three four", 11) == "one two..."
+    assert shorten("x" * 30, 10) == "x" * 7 + "..."
+    assert shorten("short", 10) == "short"
+    assert table([("a", "1", "text"), ("long name", "22", "more text")], right=frozenset({1})) == [
+        "a           1  text", "long name  22  more text"]
