@@ -150,18 +150,31 @@ class UndeclaredArgument(KeyError):
         )
 
 
+class _FromTorch(str):
+    """A class attribute that is this text on the class (what ``Call.__doc__`` and ``__module__``
+    say, as a ``str``: dynamo reads them) and, on a :class:`Call`, torch's function's attribute."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, call: Any, owner: Any = None) -> Any:
+        return self if call is None else getattr(call.original, self.name)
+
+
 class Call:
-    # Torch's original as a wrapper sees it (its ``wrapped``): one object per call.
-    #
-    # ``call(*args, **kwargs)`` runs torch's original and records that it ran (and what it raised).
-    # ``call.argument(name)`` reads an argument of the caller's call by name (one declared in
-    # ``Wrap.reads``); ``call.again(name=value, ...)`` runs torch's original with the caller's
-    # arguments, those named replaced, every other one forwarded exactly as it came.
-    # ``call.rebind(...)`` makes such a change the caller's call from now on (an iterator read into
-    # a list: torch, and any fallback, must see the list, not the spent iterator).
-    # Every other attribute is torch's function's, as on wrapt's ``wrapped``: ``__name__``,
-    # ``__qualname__``, ``__doc__``, ``__module__``, ``__self__``...; ``__wrapped__`` is the function.
-    # (A comment, not a docstring: ``__doc__`` is torch's function's.)
+    __doc__ = _FromTorch("""Torch's original as a wrapper sees it (its ``wrapped``): one object per call.
+
+    ``call(*args, **kwargs)`` runs torch's original and records that it ran (and what it raised).
+    ``call.argument(name)`` reads an argument of the caller's call by name (one declared in
+    ``Wrap.reads``); ``call.again(name=value, ...)`` runs torch's original with the caller's
+    arguments, those named replaced, every other one forwarded exactly as it came.
+    ``call.rebind(...)`` makes such a change the caller's call from now on (an iterator read into
+    a list: torch, and any fallback, must see the list, not the spent iterator).
+
+    Every other attribute is torch's function's, as on wrapt's ``wrapped``: ``__name__``,
+    ``__qualname__``, ``__doc__``, ``__module__``, ``__self__``...; ``__wrapped__`` is the function.
+    """)
+    __module__ = _FromTorch(__name__)
 
     __slots__ = ("original", "args", "kwargs", "binder", "ran", "error", "result")
 
@@ -192,9 +205,6 @@ class Call:
         """Torch's original with the caller's arguments (as rebound), untracked."""
         return self.original(*self.args, **self.kwargs)
 
-    # what a class body sets itself (``__module__``, ``__doc__``) is forwarded by a property
-    __module__ = property(lambda self: self.original.__module__)  # type: ignore[assignment]
-    __doc__ = property(lambda self: self.original.__doc__)  # type: ignore[assignment]
     __wrapped__ = property(lambda self: self.original)
 
     def __getattr__(self, name: str) -> Any:  # only for what the class lacks: __name__, __qualname__...
