@@ -144,10 +144,7 @@ class UndeclaredArgument(KeyError):
     def __str__(self) -> str:
         name, reads, function = self.args
         owner = getattr(function, "__qualname__", None) or "the wrapped function"
-        return (
-            f"the wrapper reads argument {name!r} of {owner}, which its Wrap.reads {reads!r} does not declare: "
-            f"add it to Wrap(..., reads=...) (bound by name against torch's signature when the patch is applied)"
-        )
+        return f"the wrapper reads argument {name!r} of {owner}, which its Wrap.reads {reads!r} does not declare"
 
 
 class _FromTorch(str):
