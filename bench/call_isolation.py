@@ -6,11 +6,11 @@ alternating blocks (``timeit``, best of each block) so that a loaded machine slo
 
 * ``wrapt``: ``wrapt.FunctionWrapper(original, wrapper)``, the wrapper reading an argument by
   position (how 0.2.0 installed every wrapper);
-* ``guarded``: what the plugin installs now (``_patching.guarded``): the guard, a ``Call`` per
-  call, the argument read by name;
+* ``isolated``: what the plugin installs now (``_patching.replacement_for``): the isolation, a
+  ``Call`` per call, the argument read by name;
 * ``torch``: the original alone.
 
-Prints nanoseconds per call (median over blocks) and the ratios guarded / wrapt. Usage::
+Prints nanoseconds per call (median over blocks) and the ratios isolated / wrapt. Usage::
 
     python3 bench/call_isolation.py [--blocks 15] [--number 20000]
 """
@@ -42,8 +42,9 @@ def by_name(wrapped, instance, args, kwargs):
 
 
 def variants() -> dict:
-    guarded = _patching.guarded("bench", Wrap("m:f", by_name, reads=("fsdp_params", "unsharded_grads")), None, original)
-    return {"torch": original, "wrapt": wrapt.FunctionWrapper(original, by_position), "guarded": guarded}
+    target = Wrap("m:f", by_name, reads=("fsdp_params", "unsharded_grads"))
+    isolated = _patching.replacement_for("bench", target, None, original)
+    return {"torch": original, "wrapt": wrapt.FunctionWrapper(original, by_position), "isolated": isolated}
 
 
 def main() -> None:
@@ -60,8 +61,8 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, value in medians.items():
         print(f"{name:8} {value:8.0f} ns per call")
-    print(f"guarded / wrapt: {medians['guarded'] / medians['wrapt']:.2f}; "
-          f"added per call: {medians['guarded'] - medians['wrapt']:.0f} ns")
+    print(f"isolated / wrapt: {medians['isolated'] / medians['wrapt']:.2f}; "
+          f"added per call: {medians['isolated'] - medians['wrapt']:.0f} ns")
 
 
 if __name__ == "__main__":

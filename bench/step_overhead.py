@@ -243,7 +243,7 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
         "restore_unused_param_grads.final_callback": (type(root), noop),
     }
     method_wrapper = {
-        name: _patching.guarded(targets[name][0].name, targets[name][1], owner, original)
+        name: _patching.replacement_for(targets[name][0].name, targets[name][1], owner, original)
         for name, (owner, original) in owners.items()
     }
     cost = {

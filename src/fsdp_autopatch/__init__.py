@@ -42,8 +42,10 @@ Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatu
 :class:`PatchRecord`, :class:`StatusReport`; for authors of patches shipped by other distributions
 (entry-point group ``fsdp_autopatch.patches``): :class:`Patch`, :class:`Wrap` (with
 :data:`KEEP_RESULT` / :data:`CALL_AGAIN`), :class:`Add`, :class:`Verdict`, :func:`needed`,
-:func:`not_needed`, :func:`unsupported`, :func:`fired`; :class:`GuardError`, what a guard raises.
-Everything else is private.
+:func:`not_needed`, :func:`unsupported`, :func:`fired`; :class:`GuardError`, what a guard raises;
+:func:`torch_call`, a collective of the patch's own whose errors reach the caller; for the
+structural check, :func:`fsdp_module`, :func:`fsdp_class`, :func:`class_attr`, :func:`innermost`,
+:func:`has_parameters`, :func:`reads_names`. Everything else is private.
 
 Interpreter start does not import this package: the ``.pth`` imports only the top-level module
 ``_fsdp_autopatch_bootstrap``. This module still imports nothing heavy (the registry types are
@@ -66,11 +68,18 @@ __all__ = [
     "Wrap",
     "__version__",
     "applied",
+    "class_attr",
     "fired",
+    "fsdp_class",
+    "fsdp_module",
+    "has_parameters",
+    "innermost",
     "install",
     "needed",
     "not_needed",
+    "reads_names",
     "status",
+    "torch_call",
     "unsupported",
 ]
 
@@ -91,6 +100,14 @@ _LAZY = {
     "unsupported": "_spec",
     "fired": "_events",
     "GuardError": "_events",
+    "torch_call": "_isolation",
+    # for a patch's structural check: torch's FSDP2 as it is, behind any wrappers
+    "fsdp_module": "_compat",
+    "fsdp_class": "_compat",
+    "class_attr": "_compat",
+    "innermost": "_compat",
+    "has_parameters": "_compat",
+    "reads_names": "_compat",
 }
 
 
@@ -142,6 +159,10 @@ def __getattr__(name: str):
         from . import _spec as module
     elif home == "_events":
         from . import _events as module
+    elif home == "_isolation":
+        from . import _isolation as module
+    elif home == "_compat":
+        from . import _compat as module
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(module, name)

@@ -253,10 +253,7 @@ def _configure_logging(settings: Settings) -> None:
 
 def revert_all() -> None:
     """Undo every patch and policy and mark them pending again (tests)."""
-    from . import _consistency
-
     with _lock:
-        _consistency.revert()
         _patching.revert_all()
         _isolation.forget()
         REGISTRY.reset()

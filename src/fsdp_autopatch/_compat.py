@@ -9,6 +9,10 @@
 
 Imported only once torch's FSDP2 is being imported, so packaging is fair game; torch itself is
 never imported here (the patches' objects are handed in).
+
+Public, re-exported from ``fsdp_autopatch`` for third-party structural checks (stable, see
+docs/guides/writing-a-patch.md "What is stable"): :func:`fsdp_module`, :func:`fsdp_class`,
+:func:`class_attr`, :func:`innermost`, :func:`has_parameters`, :func:`reads_names`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def decide(structural: Verdict, version: Version | None, affected: SpecifierSet,
       where the bug went, so torch is left untouched ("unsupported"), unless the structural
       verdict is conclusive (torch's own fix is there, or nothing for the patch to act on).
     """
-    where = describe(version)
+    where = version_text(version)
     if structural.status == "unsupported":
         return Verdict("unsupported", f"{where}: {structural.reason}", STRUCTURE)
     if version is None or version not in MEASURED_RELEASES:
@@ -96,7 +100,7 @@ def torch_release() -> Version | None:
     return parse_torch_version(raw) if raw is not None else None
 
 
-def describe(version: Version | None, raw: str | None = None) -> str:
+def version_text(version: Version | None, raw: str | None = None) -> str:
     """``torch 2.13.0`` for a release (``+cpu``/``+cu128`` builds included); a pre-release or dev
     build is shown as it calls itself, with the release it counts as: ``torch 2.13.0a0+nv26.06
     (counted as 2.13.0)`` (NGC's vendor builds), ``torch 2.16.0.dev20261201+cpu (counted as 2.16.0)``."""
@@ -121,7 +125,8 @@ def before(version: Version | None, release: str) -> bool:
 
 
 def fsdp_module(name: str) -> ModuleType:
-    """A submodule of torch's FSDP2 package, e.g. ``fsdp_module("_fsdp_param_group")``."""
+    """A submodule of torch's FSDP2 package (``torch.distributed.fsdp._fully_shard``), imported if
+    needed, e.g. ``fsdp_module("_fsdp_collectives")``. ``ImportError`` when this torch lacks it."""
     full_name = f"{FSDP2_PACKAGE}.{name}"
     module = sys.modules.get(full_name)
     if module is None:
@@ -132,7 +137,8 @@ def fsdp_module(name: str) -> ModuleType:
 
 
 def class_attr(cls: type, name: str) -> Any:
-    """The attribute as defined on the class (no descriptor binding), or None."""
+    """The attribute as the class, or the first class of its MRO that has it, defines it: the
+    function itself, not a bound method (no descriptor binding); None when no class defines it."""
     for klass in cls.__mro__:
         if name in vars(klass):
             return vars(klass)[name]
@@ -140,7 +146,8 @@ def class_attr(cls: type, name: str) -> Any:
 
 
 def innermost(func: Any) -> Any:
-    """Torch's function behind any wrappers (wrapt, functools.wraps, ``torch._dynamo.disable``),
+    """Torch's function behind any wrappers (wrapt, functools.wraps, ``torch._dynamo.disable``,
+    fsdp-autopatch's own and other distributions' patches, a wrapper's ``wrapped``),
     and behind a framework's monkey-patch made before ours without ``functools.wraps`` (NeMo
     Automodel's ``fsdp_patches``: a function of its own module whose closure holds torch's)."""
     for _ in range(10):
@@ -179,8 +186,9 @@ def code_of(func: Any) -> Any:
 
 
 def reads_names(func: Any, *names: str) -> bool:
-    """Whether a function's own bytecode refers to all ``names``: as attributes or globals, or as
-    string constants (``hasattr(fsdp_param, "_unsharded_param")`` names it only as a constant)."""
+    """Whether the bytecode of torch's function behind ``func`` (:func:`innermost`) refers to all
+    ``names``: as attributes or globals, or as string constants (``hasattr(fsdp_param,
+    "_unsharded_param")`` names it only as a constant). False when there is no bytecode to read."""
     code = code_of(func)
     if code is None:
         return False
@@ -209,7 +217,8 @@ def nested_code(func: Any, name: str) -> Any:
 
 
 def has_parameters(func: Any, *names: str) -> bool:
-    """Whether ``func``'s signature has every parameter in ``names`` (by name, any kind)."""
+    """Whether ``func``'s signature has every parameter in ``names`` (by name, any kind); False when
+    it has no signature to read. What a ``Wrap.reads`` must pass (wrappers keep the signature)."""
     import inspect
 
     try:
@@ -225,7 +234,8 @@ def first_parameters(func: Any, count: int) -> tuple[str, ...]:
 
 
 def fsdp_class(module: str, name: str) -> type:
-    """A class of torch's FSDP2, e.g. ``fsdp_class("_fsdp_param_group", "FSDPParamGroup")``."""
+    """A class of torch's FSDP2, e.g. ``fsdp_class("_fsdp_param_group", "FSDPParamGroup")``;
+    ``ImportError`` / ``AttributeError`` when this torch lacks it (a check records ``unsupported``)."""
     return getattr(fsdp_module(module), name)
 
 

@@ -29,11 +29,15 @@ def fired(name: str, without: str, where: str = "") -> None:
 
 
 class GuardError(RuntimeError):
-    """A guard of fsdp-autopatch stopped a run that torch would train silently wrong.
+    """A guard stopped a run that torch would train silently wrong.
 
     ``patch`` is the guard's name; the message says what was found, what to do, and the variable
-    that lets the run go on anyway (``FSDP_AUTOPATCH_<NAME>_ENABLED=0``).
+    that lets the run go on anyway (``FSDP_AUTOPATCH_<NAME>_ENABLED=0``). Raised by a wrapper (a
+    built-in guard's or a third party's), it reaches the user: call-time isolation lets every
+    ``GuardError`` through, and counts it as one fire of the patch whose wrapper raised it.
     """
+
+    _counted = False  # one fire recorded for it already (``stop``, or the isolation it passed)
 
     def __init__(self, patch: str, message: str) -> None:
         super().__init__(message)
@@ -43,14 +47,14 @@ class GuardError(RuntimeError):
 def stop(name: str, found: str, remedy: str) -> GuardError:
     """The error guard ``name`` raises (one fire): ``found`` what torch would do, ``remedy`` what to
     do about it. Raise what it returns: call-time isolation lets it through to the user."""
-    from ._isolation import for_the_user  # _isolation imports the registry, as this module does
-
     fired(name, f"stopped: {found}")
     message = (
         f"fsdp-autopatch guard {name}: {found}. {remedy}. "
         f"To let the run go on as torch would run it, set {toggle_for(name)}=0."
     )
-    return for_the_user(GuardError(name, message))  # type: ignore[return-value]
+    error = GuardError(name, message)
+    error._counted = True
+    return error
 
 
 def shorten(text: str) -> str:

@@ -1,7 +1,7 @@
 """Call-time isolation: what the import hook guarantees for ``import torch``, every wrapper
 guarantees for each call.
 
-Every wrapper a patch declares (``_spec.Wrap``) runs inside :func:`guard`. Torch's original is
+Every wrapper a patch declares (``_spec.Wrap``) runs inside :func:`isolate`. Torch's original is
 handed to it as a :class:`Call`, which records whether torch ran and what torch raised:
 
 * our code raises *before* torch's original ran: the original runs with the caller's arguments,
@@ -15,8 +15,10 @@ handed to it as a :class:`Call`, which records whether torch ran and what torch 
 * our code raises while torch's exception passes through it (a ``finally``): torch's exception
   reaches the caller, the failure is ours;
 * exceptions torch raises (inside the original, or in a collective we call through
-  :func:`torch_call`) and the errors we raise on purpose (:func:`for_the_user`, e.g. the
-  cross-rank check) propagate unchanged: torch's errors are never swallowed;
+  :func:`torch_call`), a guard's ``GuardError`` (a built-in guard's or a third party's: counted
+  as one fire of the patch whose wrapper raised it) and the errors we raise on purpose
+  (:func:`for_the_user`, e.g. the cross-rank check) propagate unchanged: torch's errors are never
+  swallowed;
 * ``FSDP_AUTOPATCH_STRICT=1`` (:func:`set_strict`) records and then re-raises.
 
 What such a failure can and cannot protect against across ranks: a failure of ours that is the
@@ -35,13 +37,14 @@ import sys
 import threading
 from typing import Any, Callable
 
+from ._events import GuardError, fired
 from ._registry import CALL_TIME_FAILURE, REGISTRY
 from ._spec import CALL_AGAIN
 
 logger = logging.getLogger("fsdp_autopatch")
 
 _PACKAGE = __name__.rpartition(".")[0]
-_TORCH_ERROR = "__fsdp_autopatch_origin__"  # attribute on an exception: "torch" or "deliberate"
+_ORIGIN = "__fsdp_autopatch_origin__"  # attribute on an exception: "torch" or "deliberate"
 _lock = threading.Lock()
 _failed: dict[str, str] = {}  # patch name -> why it failed at call time (later calls go to torch)
 _settings = {"strict": False}
@@ -76,10 +79,11 @@ class Binder:
     without ``self``.
     """
 
-    __slots__ = ("positions", "defaults", "missing")
+    __slots__ = ("positions", "defaults", "missing", "names", "function")
 
     def __init__(self, function: Any, names: tuple[str, ...], skip_self: bool = False) -> None:
         parameters = list(inspect.signature(function).parameters.values())[1 if skip_self else 0:]
+        self.names, self.function = frozenset(names), function
         self.positions: dict[str, int | None] = {}
         self.defaults: dict[str, Any] = {}
         positional = True
@@ -95,7 +99,13 @@ class Binder:
                 self.defaults[parameter.name] = parameter.default
         self.missing = tuple(name for name in names if name not in self.positions)
 
+    def declared(self, name: str) -> None:
+        """Raise :class:`UndeclaredArgument` unless the wrapper declared ``name`` in ``Wrap.reads``."""
+        if name not in self.names:
+            raise UndeclaredArgument(name, tuple(sorted(self.names)), self.function)
+
     def value(self, args: tuple, kwargs: dict, name: str) -> Any:
+        self.declared(name)
         position = self.positions[name]
         if position is not None and position < len(args):
             return args[position]
@@ -115,6 +125,7 @@ class Binder:
         """The same call with ``changes`` put where each argument came (or would come) from."""
         args, kwargs = list(args), dict(kwargs)
         for name, value in changes.items():
+            self.declared(name)
             position = self.positions[name]
             if position is not None and position < len(args):
                 args[position] = value
@@ -126,16 +137,41 @@ class Binder:
 NO_BINDER = Binder(lambda: None, ())
 
 
+class UndeclaredArgument(KeyError):
+    """A wrapper read or replaced an argument it did not declare in ``Wrap.reads`` (a bug in the
+    patch: recorded as its failure at call time, and torch's original runs)."""
+
+    def __str__(self) -> str:
+        name, reads, function = self.args
+        owner = getattr(function, "__qualname__", None) or "the wrapped function"
+        return f"the wrapper reads argument {name!r} of {owner}, which its Wrap.reads {reads!r} does not declare"
+
+
+class _FromTorch(str):
+    """A class attribute that is this text on the class (what ``Call.__doc__`` and ``__module__``
+    say, as a ``str``: dynamo reads them) and, on a :class:`Call`, torch's function's attribute."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, call: Any, owner: Any = None) -> Any:
+        return self if call is None else getattr(call.original, self.name)
+
+
 class Call:
-    """Torch's original as a wrapper sees it: one object per call.
+    __doc__ = _FromTorch("""Torch's original as a wrapper sees it (its ``wrapped``): one object per call.
 
     ``call(*args, **kwargs)`` runs torch's original and records that it ran (and what it raised).
-    ``call.argument(name)`` reads an argument of the caller's call by name;
-    ``call.again(name=value, ...)`` runs torch's original with the caller's arguments, those named
-    replaced, every other one forwarded exactly as it came. ``call.rebind(...)`` makes such a
-    change the caller's call from now on (an iterator read into a list: torch, and any fallback,
-    must see the list, not the spent iterator).
-    """
+    ``call.argument(name)`` reads an argument of the caller's call by name (one declared in
+    ``Wrap.reads``); ``call.again(name=value, ...)`` runs torch's original with the caller's
+    arguments, those named replaced, every other one forwarded exactly as it came.
+    ``call.rebind(...)`` makes such a change the caller's call from now on (an iterator read into
+    a list: torch, and any fallback, must see the list, not the spent iterator).
+
+    Every other attribute is torch's function's, as on wrapt's ``wrapped``: ``__name__``,
+    ``__qualname__``, ``__doc__``, ``__module__``, ``__self__``...; ``__wrapped__`` is the function.
+    """)
+    __module__ = _FromTorch(__name__)
 
     __slots__ = ("original", "args", "kwargs", "binder", "ran", "error", "result")
 
@@ -166,18 +202,28 @@ class Call:
         """Torch's original with the caller's arguments (as rebound), untracked."""
         return self.original(*self.args, **self.kwargs)
 
+    __wrapped__ = property(lambda self: self.original)
 
-# --- the guard ------------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:  # only for what the class lacks: __name__, __qualname__...
+        if name in Call.__slots__:  # not set yet (a copy under construction): no recursion
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+    def __repr__(self) -> str:
+        return f"<fsdp_autopatch Call of {self.original!r}>"
 
 
-def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_torch: str) -> Callable[..., Any]:
+# --- isolation --------------------------------------------------------------------------------
+
+
+def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_torch: str) -> Callable[..., Any]:
     """``wrapper`` isolated at call time; wrapt's signature ``(wrapped, instance, args, kwargs)``."""
     compiling = _is_compiling_function()
     module = getattr(wrapper, "__module__", None)  # a third-party patch's failure names its function
 
     retired = []  # non-empty once reverted: a caller that still holds us gets torch's code
 
-    def guarded(wrapped, instance, args, kwargs):
+    def isolated_wrapper(wrapped, instance, args, kwargs):
         if patch_name in _failed or retired:
             return wrapped(*args, **kwargs)
         call = Call(wrapped, args, kwargs, binder)
@@ -186,8 +232,8 @@ def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_to
         try:
             return wrapper(call, instance, args, kwargs)
         except Exception as error:
-            if error is call.error or getattr(error, _TORCH_ERROR, None) is not None:
-                raise  # torch's own error, or one we raise for the user on purpose
+            if error is call.error or _for_the_user(patch_name, error):
+                raise  # torch's own error, a guard's, or one we raise for the user on purpose
             record_failure(patch_name, error, module)
             if _settings["strict"]:
                 raise
@@ -197,15 +243,15 @@ def guard(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_to
                 return call.fallback()
             return call.result
 
-    guarded.__fsdp_autopatch_guard__ = patch_name  # type: ignore[attr-defined]
-    guarded.__fsdp_autopatch_retire__ = lambda: retired.append(True)  # type: ignore[attr-defined]
-    return guarded
+    isolated_wrapper.__fsdp_autopatch_patch__ = patch_name  # type: ignore[attr-defined]
+    isolated_wrapper.__fsdp_autopatch_retire__ = lambda: retired.append(True)  # type: ignore[attr-defined]
+    return isolated_wrapper
 
 
-def retire(guarded: Any) -> None:
+def retire(isolated_wrapper: Any) -> None:
     """A reverted wrapper passes every call straight to what it wraps, for whoever still holds it
     (a framework that wrapped ours after us keeps calling it)."""
-    retire_it = getattr(guarded, "__fsdp_autopatch_retire__", None)
+    retire_it = getattr(isolated_wrapper, "__fsdp_autopatch_retire__", None)
     if retire_it is not None:
         retire_it()
 
@@ -218,7 +264,7 @@ def isolated(patch_name: str, function: Callable[..., Any], *args: Any, **kwargs
     try:
         return function(*args, **kwargs)
     except Exception as error:
-        if getattr(error, _TORCH_ERROR, None) is not None:
+        if _for_the_user(patch_name, error):
             raise
         record_failure(patch_name, error, getattr(function, "__module__", None))
         if _settings["strict"]:
@@ -227,7 +273,9 @@ def isolated(patch_name: str, function: Callable[..., Any], *args: Any, **kwargs
 
 
 def torch_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call torch (a collective, typically) from our code: what it raises is torch's and propagates."""
+    """``function(*args, **kwargs)``, called from a wrapper (a collective of the patch's own,
+    typically): what it raises reaches the caller unchanged, as torch's own errors do, instead of
+    counting as the patch's failure (a peer's timeout is not a bug of the patch)."""
     try:
         return function(*args, **kwargs)
     except Exception as error:
@@ -236,14 +284,27 @@ def torch_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def for_the_user(error: BaseException) -> BaseException:
-    """Mark an error we raise on purpose (the cross-rank check's): the guard lets it through."""
+    """Mark an error we raise on purpose (the cross-rank check's): the isolation lets it through."""
     _tag(error, "deliberate")
     return error
 
 
+def _for_the_user(patch_name: str, error: BaseException) -> bool:
+    """Whether ``error`` goes to the user: torch's, one raised on purpose, or a guard's ``GuardError``
+    (counted as a fire of ``patch_name`` unless ``_events.stop`` made it, which counted it)."""
+    if getattr(error, _ORIGIN, None) is not None:
+        return True
+    if not isinstance(error, GuardError):
+        return False
+    if not error._counted:
+        error._counted = True
+        fired(patch_name, f"stopped: {error}")
+    return True
+
+
 def _tag(error: BaseException, origin: str) -> None:
     try:
-        setattr(error, _TORCH_ERROR, origin)
+        setattr(error, _ORIGIN, origin)
     except (AttributeError, TypeError):  # an exception type with __slots__: it stays untagged
         pass
 
@@ -284,7 +345,7 @@ def _is_compiling_function() -> Callable[[], bool]:
 
 
 def run_wrapper(wrapper, original, instance, args, kwargs, reads=(), signature_of=None, skip_self=False):
-    """Call ``wrapper`` as its guard would, without the isolation: for tests and benchmarks that
+    """Call ``wrapper`` as its isolation would, without the isolation: for tests and benchmarks that
     drive a wrapper with a stand-in for torch's function. ``signature_of``: the function whose
     signature ``reads`` are bound against (default: ``original``)."""
     binder = Binder(signature_of or original, tuple(reads), skip_self) if reads else NO_BINDER

@@ -2,7 +2,7 @@
 
 Imported only once torch's FSDP2 is being imported, so wrapt is fair game. Every patch goes through
 :func:`apply` and :func:`revert`; no patch module replaces anything itself. Every wrapper is
-installed inside ``_isolation.guard`` (call-time isolation: our exceptions never reach the caller),
+installed inside ``_isolation.isolate`` (call-time isolation: our exceptions never reach the caller),
 with the parameters it reads bound by name against the signature of the function it wraps.
 :func:`contract_problem` says, before anything is replaced, whether torch's functions still offer
 what the declaration relies on (the parameters its wrappers read, call sites that can be replaced).
@@ -30,6 +30,8 @@ _applied: dict[str, list[tuple[Any, str, Any]]] = {}
 _ours: dict[str, list[Any]] = {}
 # what reverts left in place: "<owner>.<attribute>: <their value>" (someone replaced ours after us)
 left_in_place: list[str] = []
+# patch name -> what its module forgets when the patch is reverted (state kept beside its wrappers)
+_forgetting: dict[str, Callable[[], None]] = {}
 
 
 def resolve(path: str) -> tuple[Any, str]:
@@ -67,7 +69,7 @@ def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True) -> Any:
 
     # How a probe tells ours from torch's own functools.wraps decorators (both set __wrapped__).
     replacement.__fsdp_autopatch_replacement__ = True
-    replacement.__fsdp_autopatch_guard_of__ = wrapper  # what a revert retires
+    replacement.__fsdp_autopatch_wrapper__ = wrapper  # what a revert retires
     return replacement
 
 
@@ -82,10 +84,10 @@ def binder_for(target: Wrap, owner: Any, original: Any) -> _isolation.Binder:
     return _isolation.Binder(original, target.reads, skip_self=is_method(owner, original))
 
 
-def guarded(patch_name: str, target: Wrap, owner: Any, original: Any) -> Any:
+def replacement_for(patch_name: str, target: Wrap, owner: Any, original: Any) -> Any:
     """The value that replaces ``original``: the target's wrapper, isolated, bound by name."""
     binder = binder_for(target, owner, original) if target.reads else _isolation.NO_BINDER
-    wrapper = _isolation.guard(patch_name, target.wrapper, binder, target.after_torch)
+    wrapper = _isolation.isolate(patch_name, target.wrapper, binder, target.after_torch)
     return wrap(original, wrapper, proxy=target.proxy)
 
 
@@ -100,7 +102,7 @@ def replacements(patch: Patch) -> list[tuple[Any, str, Any]]:
             planned.append((owner, attribute, target.factory(owner)))
         elif isinstance(target, Wrap):
             original = original_of(owner, attribute)
-            value = guarded(patch.name, target, owner, original)
+            value = replacement_for(patch.name, target, owner, original)
             copies = import_sites(original) if target.everywhere else []
             planned.append((owner, attribute, value))
             planned += [(site, name, value) for site, name in copies if (site, name) != (owner, attribute)]
@@ -179,7 +181,7 @@ def _held_by(value: Any) -> list[tuple[str, Any]]:
     return held
 
 
-def describe(planned: Iterable[tuple[Any, str, Any]], patch_name: str = "") -> str:
+def replaced_text(planned: Iterable[tuple[Any, str, Any]], patch_name: str = "") -> str:
     """``FSDPParam.to_accumulated_grad_if_needed, FSDPParamGroup.post_backward (over
     unused_param_reduction's wrapper)``: what is replaced, and which earlier patches it composes with."""
     planned = list(planned)
@@ -201,7 +203,7 @@ def _over_foreign(owner: Any, attribute: str, patch_name: str) -> str:
     else:
         before = vars(owner).get(attribute, _MISSING)
     module = getattr(getattr(before, "__func__", before), "__module__", None) or ""
-    if before is _MISSING or module == "torch" or module.startswith("torch.") or _guard_of(before) is not None:
+    if before is _MISSING or module == "torch" or module.startswith("torch.") or _wrapper_of(before) is not None:
         return ""
     return f" (over {qualified_name(before)}, not torch's own)"
 
@@ -219,9 +221,9 @@ def _short_name(owner: Any) -> str:
 def apply(patch: Patch) -> str:
     """Apply every target of ``patch``, all or nothing; idempotent. Returns what was replaced."""
     if patch.name in _applied:
-        return describe(_applied[patch.name], patch.name)
+        return replaced_text(_applied[patch.name], patch.name)
     planned = replacements(patch)
-    description = describe(planned, patch.name)
+    description = replaced_text(planned, patch.name)
     replace_all(patch.name, planned)
     return description
 
@@ -253,6 +255,12 @@ def is_applied(patch_name: str) -> bool:
     return patch_name in _applied
 
 
+def on_revert(patch_name: str, forget: Callable[[], None]) -> None:
+    """``forget()`` runs whenever ``patch_name`` is reverted: a patch module that keeps state
+    beside its wrappers (the cross-rank check's compared groups) starts afresh with the patch."""
+    _forgetting[patch_name] = forget
+
+
 def revert(patch_name: str) -> None:
     """Undo one patch (tests). Revert patches in the reverse order of application.
 
@@ -262,17 +270,20 @@ def revert(patch_name: str) -> None:
     """
     _undo(_applied.pop(patch_name, []), _ours.pop(patch_name, []))
     _isolation.forget(patch_name)
+    if patch_name in _forgetting:
+        _forgetting[patch_name]()
 
 
 def revert_all() -> None:
-    """Undo every applied patch, the last applied first (wrappers over wrappers unwind in order)."""
-    for name in reversed(list(_applied)):
+    """Undo every applied patch, the last applied first (wrappers over wrappers unwind in order),
+    and let every module that keeps state beside its wrappers forget it (:func:`on_revert`)."""
+    for name in [*reversed(list(_applied)), *(name for name in _forgetting if name not in _applied)]:
         revert(name)
 
 
 def _undo(done: list[tuple[Any, str, Any]], ours: list[Any]) -> None:
     for (owner, attribute, original), value in reversed(list(zip(done, ours))):
-        _isolation.retire(_guard_of(value))
+        _isolation.retire(_wrapper_of(value))
         installed = vars(owner).get(attribute, _MISSING)
         if installed is not value and installed is not original:
             # replaced after us by someone else: theirs stays (it may hold ours, now inert)
@@ -293,10 +304,10 @@ def _undo(done: list[tuple[Any, str, Any]], ours: list[Any]) -> None:
             setattr(owner, attribute, original)
 
 
-def _guard_of(value: Any) -> Any:
-    """The guarded wrapper inside one of our values: a wrapt proxy's wrapper, or the plain function
+def _wrapper_of(value: Any) -> Any:
+    """The isolated wrapper inside one of our values: a wrapt proxy's wrapper, or the plain function
     ``wrap(proxy=False)`` made (None for what an ``Add`` target set)."""
-    return getattr(value, "_self_wrapper", None) or getattr(value, "__fsdp_autopatch_guard_of__", None)
+    return getattr(value, "_self_wrapper", None) or getattr(value, "__fsdp_autopatch_wrapper__", None)
 
 
 def qualified_name(value: Any) -> str:

@@ -2,9 +2,9 @@
 
 A patch module states the bug, the torch releases measured to have it, a structural check
 ("are the internals I wrap here, and do they still have the bug?") and its targets by dotted path.
-Everything else is shared (``_patching``, ``_activate``): the environment toggle derived from the
-name, "needed here?" from the version range and the structural check, atomic apply and revert,
-the registry record.
+Everything else is shared (``_activate``, ``_patching``, ``_isolation``): the environment toggle
+derived from the name, "needed here?" from the version range and the structural check, atomic apply
+and revert, call-time isolation, the registry record.
 
 Example (``patches/accumulated_grad_guard.py``)::
 
@@ -59,7 +59,7 @@ def unsupported(reason: str) -> Verdict:
 
 
 # What a wrapper's guard does when our code raises *after* torch's original ran
-# (``Wrap.after_torch``; see ``_patching`` for the whole call-time isolation):
+# (``Wrap.after_torch``; see ``_isolation`` for the whole call-time isolation):
 KEEP_RESULT = "keep torch's result"  # return what torch's original returned (our follow-up is skipped)
 CALL_AGAIN = "call torch again"  # call torch's original again with the caller's arguments (pure functions)
 
@@ -69,8 +69,10 @@ class Wrap(NamedTuple):
 
     ``path`` is ``"module:Qualified.name"`` (wrapt's ``resolve_path`` spelling). ``wrapper`` has
     wrapt's signature ``(wrapped, instance, args, kwargs)``; ``wrapped`` is a
-    :class:`fsdp_autopatch._patching.Call`: calling it runs torch's original, and
-    ``wrapped.argument(name)`` / ``wrapped.again(name=value)`` read and replace arguments by name.
+    :class:`fsdp_autopatch._isolation.Call`: calling it runs torch's original,
+    ``wrapped.argument(name)`` / ``wrapped.again(name=value)`` read and replace arguments by name
+    (names declared in ``reads``), and every other attribute is torch's function's (``__name__``,
+    ``__qualname__``, ``__wrapped__``...), as on wrapt's ``wrapped``.
 
     ``when``: apply this target only if it returns True (an internal that only some releases have).
     ``everywhere``: also replace it in every loaded ``torch.*`` module that holds the same function
@@ -79,7 +81,8 @@ class Wrap(NamedTuple):
     ``reads``: the parameters the wrapper reads or replaces, by name. They are bound against the
     signature of the function actually wrapped (computed once, when applying); a torch whose
     function lacks one of them makes the patch ``unsupported``. Every other argument is forwarded
-    exactly as it came.
+    exactly as it came; reading or replacing one raises ``UndeclaredArgument`` (a ``KeyError``
+    naming it and ``reads``: the patch's failure at call time).
     ``proxy``: True: a ``wrapt.FunctionWrapper``; False: a plain ``functools.wraps`` function (what
     ``torch.compile`` must trace through in user code: dynamo fails on a proxy's closure guard).
     ``after_torch``: :data:`KEEP_RESULT` or :data:`CALL_AGAIN`, what happens when our code raises

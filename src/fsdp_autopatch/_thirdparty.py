@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Any, Callable, NamedTuple
 
-from ._spec import FIX, Patch
+from ._spec import FIX, GUARD, Patch
 
 GROUP = "fsdp_autopatch.patches"
 _VALID_NAME = re.compile(r"^[a-z][a-z0-9_]*$")  # also a valid part of FSDP_AUTOPATCH_<NAME>_ENABLED
@@ -76,8 +76,10 @@ def validate(declared: Any, external: External) -> Patch:
         raise TypeError(f"the entry point gives a {type(declared).__name__}, not a fsdp_autopatch.Patch")
     if declared.name != external.name:
         raise ValueError(f"the declaration is named {declared.name!r} but its entry point {external.name!r}")
-    if declared.kind != FIX or declared.variable is not None:
-        raise ValueError("a third-party patch is a fix with its derived toggle (kind='fix', no variable)")
+    if declared.kind not in (FIX, GUARD) or declared.variable is not None:
+        raise ValueError(
+            "a third-party patch is a fix or a guard with its derived toggle (kind='fix' or 'guard', no variable)"
+        )
     if not declared.targets:
         raise ValueError("the declaration has no targets")
     return declared

@@ -87,7 +87,7 @@ CASES = {
         "clip_grad_norm_multi_mesh", _P + "clip_grad_norm_multi_mesh:_norm_of_group_norms",
         "_total_norm_across_meshes", ("clip_two_meshes", "clip_one_mesh")),
     "cross_rank_check/after": Case(
-        "cross_rank_check", "fsdp_autopatch._consistency:check_groups", "check_after_lazy_init", ("mlp",)),
+        "cross_rank_check", "fsdp_autopatch.patches.cross_rank_check:check_groups", "check_after_lazy_init", ("mlp",)),
     f"{POLICY}/after": Case(
         POLICY, _P + f"{POLICY}:unused_param_reduction", "_start_with_flag_on", ("mlp",),
         where=_P + f"{POLICY}._start_with_flag_on"),

@@ -1,4 +1,4 @@
-"""Scenarios of the cross-rank check (``fsdp_autopatch._consistency``): once per process group.
+"""Scenarios of the cross-rank check (``fsdp_autopatch.patches.cross_rank_check``): once per process group.
 
 ``cross_rank``: two models on the same process group, two steps each. ``cross_rank_after_revert``:
 the plugin reverted and activated again with another patch off, on every rank, between two models.
@@ -17,7 +17,7 @@ def count_cross_rank_checks() -> list[int]:
     """``[n]``: how many process groups this rank's cross-rank check compared so far."""
     calls = [0]
     try:
-        import fsdp_autopatch._consistency as consistency
+        import fsdp_autopatch.patches.cross_rank_check as consistency
     except ImportError:
         return calls
     announce = consistency._announce

@@ -151,10 +151,10 @@ def _test_cases(results: dict[str, dict[int, Any]]) -> list[type]:
 def _forget_checked_groups() -> None:
     """Each test case starts as a fresh process would: the check has compared no group yet (every
     threaded world names its default group "0", and the check compares each name once)."""
-    from fsdp_autopatch import _consistency
+    from fsdp_autopatch.patches import cross_rank_check
 
-    _consistency._checked_groups.clear()
-    _consistency._skipped.clear()
+    cross_rank_check._checked_groups.clear()
+    cross_rank_check._skipped.clear()
 
 
 @scenario("threaded", gloo=False)

@@ -9,6 +9,11 @@ Checked with subprocesses, each bounded: a 2-rank gloo run under torchrun (the e
 ``applied`` on both ranks with its provider, and its census counts every unit once per backward),
 ``fsdp-autopatch status --json``, its toggle, a broken copy (recorded ``failed``, the user's import
 unharmed, torch untouched by it) and ``fsdp-autopatch doctor``.
+
+A second distribution, ``traps_patch/`` (a guard and a fix, built and installed in a venv of their
+own), springs on purpose the four traps of a framework author: its own ``GuardError``, ``wrapped``'s
+function attributes, an argument not declared in ``Wrap.reads``, a collective of its own that times
+out (through ``fsdp_autopatch.torch_call``); its structural check uses only the public helpers.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from _install_support import (
     build_wheel,
     clean_env,
     describe,
+    json_from,
     probe_code,
     run,
     statuses,
@@ -37,6 +43,7 @@ from _install_support import (
 pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]  # includes building the torch venv
 
 EXAMPLE = REPO / "examples" / "third_party_patch"
+TRAPS = Path(__file__).resolve().parent / "traps_patch"
 NAME = "post_backward_census"
 PROVIDER = "fsdp-autopatch-example 0.1.0"
 TOGGLE = "FSDP_AUTOPATCH_POST_BACKWARD_CENSUS_ENABLED"
@@ -80,6 +87,10 @@ def example_wheel(install_root: Path) -> Path:
     return build_wheel(EXAMPLE, install_root / "dist-example")
 
 
+def _ours(name: str) -> bool:
+    return "fsdp_autopatch" in name.lower() or name == "__pycache__"
+
+
 @pytest.fixture(scope="module")
 def example_venv(torch_venv: Venv, wheel: Path, example_wheel: Path, install_root: Path) -> Venv:
     """torch (linked from the torch venv), fsdp-autopatch's wheel and the example's wheel.
@@ -87,8 +98,7 @@ def example_venv(torch_venv: Venv, wheel: Path, example_wheel: Path, install_roo
     ``--no-deps`` for the example: its requirement on fsdp-autopatch is checked on its own
     (test_the_example_requires_a_version_our_wheel_has), so that the checks below still run when
     that one fails."""
-    ours = lambda name: "fsdp_autopatch" in name.lower() or name == "__pycache__"  # noqa: E731
-    venv = Venv.linked_to(torch_venv, install_root / "venv-third-party", leave_out=ours)
+    venv = Venv.linked_to(torch_venv, install_root / "venv-third-party", leave_out=_ours)
     venv.install_plugin(wheel)
     venv.pip("install", "-q", "--no-deps", example_wheel)
     return venv
@@ -182,3 +192,79 @@ def test_a_broken_copy_is_recorded_failed_and_the_import_goes_on(broken_example:
     assert record["provider"] == PROVIDER
     assert record["reason"] == f"loading the patch failed in {PROVIDER}: ImportError: broken on purpose by the test"
     assert_torch_matches_registry(probe)  # only the built-in patches' wrappers: torch untouched by it
+
+
+# --- the four traps: a guard and a fix of another distribution ---------------------------------
+
+TRAPS_PROGRAM = r"""
+import json
+import torch
+import torch.distributed.fsdp
+from torch.distributed.fsdp._fully_shard import _fsdp_common
+import fsdp_autopatch
+import fsdp_autopatch_traps as traps
+
+
+def attempt(mode):
+    traps.MODE = mode
+    try:
+        return {"result": list(_fsdp_common._get_dim0_padded_size(torch.Size([5, 2]), 4))}
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error), "theirs": error is traps.RAISED.get(mode)}
+
+
+out = {mode or "plain": attempt(mode) for mode in ("", "guard", "guard_from_fix", "collective", "undeclared")}
+out["after"] = attempt("")
+out["seen"] = traps.SEEN
+out["records"] = {name: fsdp_autopatch.status()[name].to_dict() for name in ("traps_fix", "traps_guard")}
+print(json.dumps(out))
+"""
+TORCHS = [8, 2]  # _get_dim0_padded_size(torch.Size([5, 2]), 4): dim 0 padded to a multiple of 4
+
+
+@pytest.fixture(scope="module")
+def traps(torch_venv: Venv, wheel: Path, install_root: Path) -> dict:
+    """What ``TRAPS_PROGRAM`` saw, each mode in turn, in a venv with our wheel and the traps' wheel."""
+    traps_wheel = build_wheel(TRAPS, install_root / "dist-traps")
+    venv = Venv.linked_to(torch_venv, install_root / "venv-traps", leave_out=_ours)
+    venv.install_plugin(wheel)
+    venv.pip("install", "-q", "--no-deps", traps_wheel)
+    return json_from(venv.py(TRAPS_PROGRAM, env=TORCH_NOISE, timeout=T_TORCH))
+
+
+def test_a_third_party_guard_is_applied_and_its_guard_error_reaches_the_user(traps: dict) -> None:
+    assert traps["plain"] == {"result": TORCHS} and traps["after"] == {"result": TORCHS}, traps
+    assert traps["guard"]["error"] == "GuardError" and traps["guard"]["theirs"], traps["guard"]
+    assert "stopped on purpose" in traps["guard"]["message"]
+    guard = traps["records"]["traps_guard"]
+    assert (guard["status"], guard["fired"], guard["provider"]) == ("applied", 1, "fsdp-autopatch-traps 0.1.0"), guard
+
+
+def test_a_guard_error_of_a_third_party_fix_reaches_the_user_too(traps: dict) -> None:
+    assert traps["guard_from_fix"]["error"] == "GuardError" and traps["guard_from_fix"]["theirs"], traps
+
+
+def test_wrapped_forwards_the_attributes_of_torchs_function(traps: dict) -> None:
+    for name in ("traps_fix", "traps_guard"):  # the guard's wrapped is the fix's wrapper around torch's
+        assert traps["seen"][name] == {
+            "name": "_get_dim0_padded_size",
+            "qualname": "_get_dim0_padded_size",
+            "module": "torch.distributed.fsdp._fully_shard._fsdp_common",
+            "doc_is_torchs": True,
+            "wrapped_is_torchs": True,
+        }, (name, traps["seen"])
+
+
+def test_a_collective_of_its_own_that_times_out_reaches_the_caller_unchanged(traps: dict) -> None:
+    collective = traps["collective"]
+    assert collective["theirs"] and "timeout" in collective["message"].lower(), collective
+
+
+def test_an_undeclared_argument_fails_the_patch_with_a_reason_naming_it_and_reads(traps: dict) -> None:
+    assert traps["undeclared"] == {"result": TORCHS}, traps["undeclared"]  # torch's original ran instead
+    fix = traps["records"]["traps_fix"]
+    assert fix["status"] == "failed", fix
+    assert fix["reason"].startswith("failed at call time: UndeclaredArgument: "), fix
+    assert "'no_such_argument'" in fix["reason"] and "Wrap.reads ('dim0_factor',)" in fix["reason"], fix
+    assert "fsdp_autopatch_traps._fix" in fix["reason"], fix  # where: the author's function
+    assert traps["records"]["traps_guard"]["status"] == "applied"  # the guard was not the one at fault

@@ -135,4 +135,4 @@ def test_state_param_groups_across_versions():
     ],
 )
 def test_vendor_and_dev_versions_are_parsed_and_shown_as_they_call_themselves(raw, shown):
-    assert _compat.describe(_compat.parse_torch_version(raw), raw) == shown
+    assert _compat.version_text(_compat.parse_torch_version(raw), raw) == shown

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_autopatch import _consistency
+from fsdp_autopatch.patches import cross_rank_check
 
 
 class FakeStore:
@@ -76,8 +76,8 @@ def run_ranks(store, prints: dict[int, dict[str, str]], ranks=None):
     """Each rank of ``prints`` runs the protocol for one group in a thread."""
     ranks = ranks or sorted(prints)
     prefix = "fsdp_autopatch/cross_rank_check/0"
-    comparisons = {rank: [_consistency._Comparison(store, prefix, rank, ranks, prints[rank])] for rank in prints}
-    return run_threads({rank: functools.partial(_consistency._compare_all, comparisons[rank]) for rank in prints})
+    comparisons = {rank: [cross_rank_check._Comparison(store, prefix, rank, ranks, prints[rank])] for rank in prints}
+    return run_threads({rank: functools.partial(cross_rank_check._compare_all, comparisons[rank]) for rank in prints})
 
 
 def test_equal_fingerprints_pass_with_a_constant_number_of_store_calls_per_rank():
@@ -123,11 +123,11 @@ def run_hsdp_ranks(store, prints: dict[int, dict[str, str]], *, reverse_on=()):
     def comparisons(rank):
         groups = _hsdp_groups(rank)[::-1] if rank in reverse_on else _hsdp_groups(rank)
         return [
-            _consistency._Comparison(store, f"fsdp_autopatch/cross_rank_check/{name}", rank, ranks, prints[rank])
+            cross_rank_check._Comparison(store, f"fsdp_autopatch/cross_rank_check/{name}", rank, ranks, prints[rank])
             for name, ranks in groups
         ]
 
-    return run_threads({rank: functools.partial(_consistency._compare_all, comparisons(rank)) for rank in prints})
+    return run_threads({rank: functools.partial(cross_rank_check._compare_all, comparisons(rank)) for rank in prints})
 
 
 @pytest.mark.parametrize("reverse_on", [(), (3,), (1, 2)])
@@ -153,7 +153,7 @@ def test_differences_list_missing_items_and_truncate_long_rank_lists():
     peers = {r: dict(PRINT) for r in range(12)}
     peers[11]["torch"] = "2.12.0"
     del peers[11]["restore_unused_param_grads"]
-    text = _consistency.describe_differences(peers)
+    text = cross_rank_check.describe_differences(peers)
     assert "restore_unused_param_grads: applied on ranks 0, 1, 2, 3, 4, 5, 6, 7 and 3 more, missing on rank 11" in text
     assert "torch: 2.13.0 on ranks" in text and "2.12.0 on rank 11" in text
     assert "fsdp-autopatch" not in text  # equal everywhere
@@ -166,7 +166,7 @@ def test_fingerprint_has_versions_statuses_and_policies_not_reasons(monkeypatch)
     REGISTRY.record("uniform_reduce_dtype", PatchStatus.APPLIED, "some reason that may differ per rank")
     REGISTRY.record_policy("reduce_scatter_unused_params_default_on", "free text")
     try:
-        items = _consistency.fingerprint()
+        items = cross_rank_check.fingerprint()
     finally:
         REGISTRY.reset()
     assert items["uniform_reduce_dtype"] == "applied"
@@ -204,10 +204,10 @@ def clean_registry():
     from fsdp_autopatch._registry import REGISTRY
 
     REGISTRY.reset()
-    _consistency._skipped.clear()
+    cross_rank_check._skipped.clear()
     yield REGISTRY
     REGISTRY.reset()
-    _consistency._skipped.clear()
+    cross_rank_check._skipped.clear()
 
 
 @pytest.mark.parametrize(
@@ -227,8 +227,8 @@ def test_a_store_that_cannot_is_skipped_at_once_and_recorded(clean_registry, ope
     errors = run_ranks(store, {r: dict(PRINT) for r in range(2)})
     assert time.monotonic() - start < 5.0, "waited for the store timeout"
     assert errors == {0: None, 1: None}
-    policy = clean_registry.snapshot().policies[_consistency.NAME]
-    assert policy.startswith(_consistency.ARMED)
+    policy = clean_registry.snapshot().policies[cross_rank_check.NAME]
+    assert policy.startswith(cross_rank_check.ARMED)
     assert f"skipped for group 0: {says} (RuntimeError: Tried to call pure virtual function" in policy, policy
 
 
@@ -254,7 +254,7 @@ class NoOpStore(FakeStore):
 def test_a_store_that_keeps_nothing_is_skipped_not_taken_for_a_difference(clean_registry):
     errors = run_ranks(NoOpStore(), {r: dict(PRINT) for r in range(8)})
     assert errors == {r: None for r in range(8)}
-    policy = clean_registry.snapshot().policies[_consistency.NAME]
+    policy = clean_registry.snapshot().policies[cross_rank_check.NAME]
     assert "skipped for group 0: the store cannot keep what is written (add returned 0 after adding 1)" in policy
 
 
@@ -274,31 +274,31 @@ def test_a_proven_difference_is_raised_when_the_store_cannot_get(clean_registry)
 
 
 def test_the_fingerprint_does_not_change_when_a_group_is_skipped(clean_registry):
-    clean_registry.record_policy(_consistency.NAME, _consistency.ARMED)
-    before = _consistency.fingerprint()
-    _consistency.record_skip("3", "fake backend: ...")
-    assert _consistency.fingerprint() == before
+    clean_registry.record_policy(cross_rank_check.NAME, cross_rank_check.ARMED)
+    before = cross_rank_check.fingerprint()
+    cross_rank_check.record_skip("3", "fake backend: ...")
+    assert cross_rank_check.fingerprint() == before
 
 
 def test_groups_without_peers_in_other_processes_are_not_compared(monkeypatch):
     dist = pytest.importorskip("torch.distributed")  # a real torch: its stores and groups
 
     group = object()
-    assert _consistency._why_not_comparable(group, [0]) == "one rank, nothing to compare"
+    assert cross_rank_check._why_not_comparable(group, [0]) == "one rank, nothing to compare"
     for backend, says in (("fake", "fake backend"), ("threaded", "threaded process group")):
         monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: b)
-        assert _consistency._why_not_comparable(group, [0, 1]).startswith(says)
+        assert cross_rank_check._why_not_comparable(group, [0, 1]).startswith(says)
     for backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl", "my_custom_backend"):
         monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: b)
-        assert _consistency._why_not_comparable(group, [0, 1]) is None, backend
+        assert cross_rank_check._why_not_comparable(group, [0, 1]) is None, backend
 
 
 def test_a_store_only_this_process_reaches_is_not_compared(tmp_path):
     dist = pytest.importorskip("torch.distributed")  # a real torch: its stores and groups
 
     in_process = dist.PrefixStore("default_pg", dist.PrefixStore("x", dist.HashStore()))
-    assert "HashStore" in _consistency._why_store_cannot_compare(in_process)
-    assert _consistency._why_store_cannot_compare(dist.FileStore(str(tmp_path / "store"), 1)) is None
+    assert "HashStore" in cross_rank_check._why_store_cannot_compare(in_process)
+    assert cross_rank_check._why_store_cannot_compare(dist.FileStore(str(tmp_path / "store"), 1)) is None
 
 
 def test_torchs_fake_store_is_skipped_by_what_it_can_do(clean_registry):
@@ -308,7 +308,8 @@ def test_torchs_fake_store_is_skipped_by_what_it_can_do(clean_registry):
     from torch.testing._internal.distributed.fake_pg import FakeStore as TorchFakeStore
 
     store = dist.PrefixStore("default_pg", TorchFakeStore())
-    comparison = _consistency._Comparison(store, "fsdp_autopatch/cross_rank_check/0", 0, list(range(8)), dict(PRINT))
-    _consistency._compare_all([comparison])
-    policy = clean_registry.snapshot().policies[_consistency.NAME]
+    prefix = "fsdp_autopatch/cross_rank_check/0"
+    comparison = cross_rank_check._Comparison(store, prefix, 0, list(range(8)), dict(PRINT))
+    cross_rank_check._compare_all([comparison])
+    policy = clean_registry.snapshot().policies[cross_rank_check.NAME]
     assert "skipped for group 0: the store cannot" in policy, policy

@@ -1,7 +1,7 @@
 """Call-time isolation (``_isolation``): the guard's contract, with stand-ins for torch's functions.
 
 No process group: each wrapper is installed the way ``_patching`` installs a patch's wrapper
-(``_isolation.guard`` in a wrapt proxy) around a stand-in that records its calls (arguments by name
+(``_isolation.isolate`` in a wrapt proxy) around a stand-in that records its calls (arguments by name
 and ``contract_problem``: ``test_isolation_arguments.py``). Our failing code is a real function of
 the package called with a bad argument (``_compat.unsharded_param(42)``, ``REGISTRY.get`` of an
 unknown name), so the record names a function of the package as a real failure would.
@@ -79,9 +79,9 @@ class Torch:
 
 
 def install(wrapper, original, after_torch=KEEP_RESULT, reads=(), name=NAME):
-    """``wrapper`` around ``original`` as ``_patching`` installs it: guarded, in a wrapt proxy."""
+    """``wrapper`` around ``original`` as ``_patching`` installs it: isolated, in a wrapt proxy."""
     binder = _isolation.Binder(original, reads) if reads else _isolation.NO_BINDER
-    return _patching.wrap(original, _isolation.guard(name, wrapper, binder, after_torch))
+    return _patching.wrap(original, _isolation.isolate(name, wrapper, binder, after_torch))
 
 
 def counted(body):
@@ -224,7 +224,7 @@ def test_call_again_falls_back_to_the_callers_arguments_not_the_changed_ones():
         raise AssertionError("only its signature is used")
 
     binder = _isolation.Binder(torch_signature, ("tensors", "norm_type"))
-    patched = _patching.wrap(torch_fn, _isolation.guard(NAME, counted(body), binder, CALL_AGAIN))
+    patched = _patching.wrap(torch_fn, _isolation.isolate(NAME, counted(body), binder, CALL_AGAIN))
     grads = [object()]
     assert patched(grads, 2.0, foreach=True) is torch_fn.results[1]
     assert torch_fn.calls[0] == ((grads, 99.0), {"foreach": True})

@@ -82,7 +82,7 @@ def test_an_iterator_read_before_the_failure_reaches_torch_as_the_list_read():
         raise AssertionError("only its signature is used")
 
     patched = _patching.wrap(
-        torch_fn, _isolation.guard(NAME, counted(body), _isolation.Binder(torch_signature, ("tensors",)), KEEP_RESULT)
+        torch_fn, _isolation.isolate(NAME, counted(body), _isolation.Binder(torch_signature, ("tensors",)), KEEP_RESULT)
     )
     assert patched(iter([1, 2, 3]), norm_type=3.0) is torch_fn.results[0]
     assert torch_fn.calls == [(([1, 2, 3],), {"norm_type": 3.0})]
@@ -112,7 +112,7 @@ def test_call_on_a_method_skips_self():
         return wrapped.again(param="replaced")
 
     target = Wrap("unused:Owner.method", wrapper, reads=("param", "strict"))
-    Owner.method = _patching.guarded(NAME, target, Owner, original)
+    Owner.method = _patching.replacement_for(NAME, target, Owner, original)
     owner = Owner()
     assert owner.method("given") == (owner, "replaced", False)
     assert owner.method(param="kw", strict=True) == (owner, "replaced", True)

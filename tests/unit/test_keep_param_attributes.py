@@ -161,8 +161,8 @@ def test_fires_once_per_parameter_whose_attributes_it_carried(registry):
         def _setattr_on_modules(self, param):
             module._parameters["weight"] = param
 
-    target = kpa.PATCH.targets[0]  # installed as the patch installs it: guarded, bound by name
-    setter = _patching.guarded(kpa.NAME, target, StandIn, vars(StandIn)["_setattr_on_modules"])
+    target = kpa.PATCH.targets[0]  # installed as the patch installs it: isolated, bound by name
+    setter = _patching.replacement_for(kpa.NAME, target, StandIn, vars(StandIn)["_setattr_on_modules"])
     fsdp_param, other = StandIn(), StandIn()
     for _ in range(3):
         setter.__get__(fsdp_param)(param())  # every swap carries "tag" onto a new object

@@ -34,7 +34,6 @@ _CORE = {
     "fsdp_autopatch._spec": "all",
     "fsdp_autopatch._patching": "all",
     "fsdp_autopatch.patches": "all",  # load_patch imports each patch module through the package
-    "fsdp_autopatch._consistency": "policy",
     "fsdp_autopatch._catalogue": None,  # the settings and the registry read its names
     "fsdp_autopatch._config": None,
     "fsdp_autopatch._registry": None,
