@@ -43,6 +43,7 @@ from _install_support import (
     PATCH_NAMES,
     T_PY,
     T_TORCH,
+    WAITING,
     Venv,
     base_python,
     clean_env,
@@ -400,7 +401,9 @@ def raising_program(name: str, strict: bool) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
-@pytest.mark.parametrize("name", PATCH_NAMES)
+# the probe imports FSDP2 only: an entry that waits for DCP's state_dict is never tried there (its
+# apply failing is isolated by the same code: tests/unit/test_activate.py)
+@pytest.mark.parametrize("name", [name for name in PATCH_NAMES if name not in WAITING])
 def test_patch_raises_during_apply(batch: dict, name: str, strict: bool) -> None:
     data = result_of(batch[f"raise:{name}:{strict}"])
     report = data["report"]

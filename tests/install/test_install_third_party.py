@@ -26,6 +26,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from _install_support import (
+    CLI_STATUSES,
     DEFAULT_STATUSES,
     REPO,
     T_TORCH,
@@ -149,8 +150,8 @@ def test_two_gloo_ranks_apply_it_and_count_every_unit_once_per_backward(example_
 
 def test_status_json_shows_it_after_the_builtin_patches_with_its_provider(example_venv: Venv) -> None:
     report = cli_json(example_venv, "status")
-    assert list(statuses(report)) == [*DEFAULT_STATUSES, NAME]
-    assert statuses(report) == {**DEFAULT_STATUSES, NAME: "applied"}
+    assert list(statuses(report)) == [*CLI_STATUSES, NAME]
+    assert statuses(report) == {**CLI_STATUSES, NAME: "applied"}
     record = records(report)[NAME]
     assert (record["provider"], record["env"]) == (PROVIDER, TOGGLE), record
     assert all(records(report)[name]["provider"] is None for name in DEFAULT_STATUSES)
@@ -158,7 +159,7 @@ def test_status_json_shows_it_after_the_builtin_patches_with_its_provider(exampl
 
 def test_its_toggle_turns_it_off_alone(example_venv: Venv) -> None:
     report = cli_json(example_venv, "status", env={TOGGLE: "0"})
-    assert statuses(report) == {**DEFAULT_STATUSES, NAME: "disabled"}
+    assert statuses(report) == {**CLI_STATUSES, NAME: "disabled"}
     record = records(report)[NAME]
     assert (record["variable"], record["value"], record["provider"]) == (TOGGLE, "0", PROVIDER), record
 

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from _install_support import (
+    CLI_STATUSES,
     DEFAULT_STATUSES,
     PATCH_NAMES,
     T_TORCH,
@@ -220,7 +221,7 @@ def test_cli_status_json(torch_venv: Venv, wheel) -> None:
         # every release the tests run on is a measured one: the version range and the structure both decided
         assert patch["decided_by"] == "version range and structural check", patch
         assert "decided by" not in patch["reason"], patch  # a field, not prose
-    assert statuses(report) == DEFAULT_STATUSES
+    assert statuses(report) == CLI_STATUSES
 
 
 def test_console_script_prints_a_table(torch_venv: Venv, wheel) -> None:
@@ -233,7 +234,7 @@ def test_console_script_prints_a_table(torch_venv: Venv, wheel) -> None:
     assert lines[0].startswith(f"fsdp-autopatch {version}") and f"torch {TORCH_VERSION}" in lines[0], lines[0]
     assert "bootstrap: pth" in lines[0]
     assert any(re.match(r"PATCH\s+KIND\s+STATUS\s+FIRED\s+WHY", line) for line in lines), result.stdout
-    for name, status in DEFAULT_STATUSES.items():
+    for name, status in CLI_STATUSES.items():
         row = re.compile(rf"{name}\s+(fix|guard)\s+{status}\s+\d+\s+\S")
         assert any(row.match(line) for line in lines), (name, result.stdout)
     assert max(map(len, lines)) <= 100, result.stdout  # fits a terminal; status -v has the whole reasons
