@@ -205,7 +205,9 @@ class Call:
     __wrapped__ = property(lambda self: self.original)
 
     def __getattr__(self, name: str) -> Any:  # only for what the class lacks: __name__, __qualname__...
-        if name in Call.__slots__:  # not set yet (a copy under construction): no recursion
+        # not set yet (a copy under construction): no recursion. And no __dict__: torch.compile
+        # (2.9, matrix row of 2026-12-03) guarded on a forwarded one it then could not read back
+        if name in Call.__slots__ or name == "__dict__":
             raise AttributeError(name)
         return getattr(self.original, name)
 

@@ -187,7 +187,8 @@ def step_nemo(ctx: sc.Ctx, rec: dict[str, Any]) -> None:
     mp = sc._mp_policy("bf16")
     model = sc.build_model("experts", n_experts=2)
     fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
-    model.set_reduce_scatter_unused_params(True)  # configure_fsdp_unused_param_reduction, torch >= 2.13
+    if hasattr(model, "set_reduce_scatter_unused_params"):  # NeMo calls it where torch has it (>= 2.13)
+        model.set_reduce_scatter_unused_params(True)  # configure_fsdp_unused_param_reduction
     sc._run_step(ctx, model, sc.plan_uniform_fill_zero, step=0, n_mb=2)
     rec["reduce"] = sc.grads_full(model)
     model = sc.build_model("text_vision")

@@ -97,9 +97,17 @@ def test_launch_clean(run):
     run.assert_clean()
 
 
-def test_nemo_values_right_in_every_order(run):
+def _skip_nemo_where_not_measured(run) -> None:
     if run.nemo_skip:
         pytest.skip(run.nemo_skip)
+    if not ck.NATIVE_UNUSED_PARAM_API:
+        # torch < 2.13: NeMo replaces post_backward with its own unconditional zero fill, which our
+        # restore_unused_param_grads would meet; not measured yet (the 2.8 / 2.9 matrix rows)
+        pytest.skip("NeMo next to ours is measured on torch >= 2.13 only")
+
+
+def test_nemo_values_right_in_every_order(run):
+    _skip_nemo_where_not_measured(run)
     assert set(_cases(run, "nemo")) == {"nemo/after", "nemo/theirs", "nemo/before"}
     reduce_model = sc.build_model("experts", n_experts=2)
     ref_reduce = sc.reference_grads(reduce_model, sc.plan_uniform_fill_zero, step=0, n_micro_batches=2)
@@ -115,8 +123,7 @@ def test_nemo_values_right_in_every_order(run):
 
 
 def test_nemo_applied_as_on_this_torch(run):
-    if run.nemo_skip:
-        pytest.skip(run.nemo_skip)
+    _skip_nemo_where_not_measured(run)
     errors = run.ranks[0].data["apply_errors"]["nemo"]
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
@@ -132,8 +139,7 @@ def test_nemo_applied_as_on_this_torch(run):
 def test_nemo_status_says_what_is_in_force(run):
     """After ours: NeMo's foreach_reduce and guard replaced ours, and hold ours (each runs once:
     widening is idempotent, ours sees a uniform list). Before ours: ours wraps theirs, nothing displaced."""
-    if run.nemo_skip:
-        pytest.skip(run.nemo_skip)
+    _skip_nemo_where_not_measured(run)
     after = run.ranks[0].cases["nemo/after"]["records"]
     before = run.ranks[0].cases["nemo/before"]["records"]
     installed = run.ranks[0].data["theirs_installed"]["nemo"]
@@ -154,8 +160,7 @@ def test_nemo_status_says_what_is_in_force(run):
 def test_nemo_revert_of_ours_keeps_theirs(run):
     """Every place NeMo set still holds NeMo's after our revert; where ours was under theirs
     (2.13: foreach_reduce at two modules, the guard) the revert says it left theirs in place."""
-    if run.nemo_skip:
-        pytest.skip(run.nemo_skip)
+    _skip_nemo_where_not_measured(run)
     data = run.ranks[0].data
     installed, kept = data["theirs_installed"]["nemo"], data["theirs_kept"]["nemo"]
     assert all(k for k, i in zip(kept, installed) if i), (installed, kept)

@@ -57,7 +57,7 @@ def real_output():
 def test_default_status_fits_100_columns_with_the_real_registry(real_output):
     code, text = real_output["status"]
     report = json.loads(real_output["--json"][1])
-    assert code == 0 and report["torch"].startswith("2.13")
+    assert code == 0 and report["torch"]  # any torch: the table's width does not depend on it
     assert _width(text) <= WIDTH, text
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line and line.split()[0] in
             {p["name"] for p in report["patches"]}}
