@@ -322,9 +322,16 @@ def coexist(ctx: sc.Ctx, framework: str) -> None:
     _activate.activate()
 
 
+def _torch_has_the_fill_api() -> bool:
+    """torch's own set_reduce_scatter_unused_params (2.13 on); before it only our backport has one."""
+    from packaging.version import Version
+
+    return Version(torch.__version__).release[:2] >= (2, 13)
+
+
 @scenario("coexist")
 def sc_coexist(ctx: sc.Ctx) -> None:
     for framework in ctx.args.get("frameworks", FRAMEWORKS):
-        if framework == "nemo" and not ctx.args.get("nemo_file"):
-            continue
+        if framework == "nemo" and (not ctx.args.get("nemo_file") or not _torch_has_the_fill_api()):
+            continue  # below torch 2.13 NeMo swaps in its own unused-param fill: not measured (2.10 aborted)
         coexist(ctx, framework)
