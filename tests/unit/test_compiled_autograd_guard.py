@@ -14,21 +14,12 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed.fsdp  # noqa: E402,F401,F811  (fires the post-import hook if the .pth is active)
 
-from fsdp_autopatch import _events, _isolation  # noqa: E402
+from fsdp_autopatch import _isolation  # noqa: E402
 from fsdp_autopatch._events import GuardError  # noqa: E402
-from fsdp_autopatch._registry import Registry  # noqa: E402
 from fsdp_autopatch.patches import compiled_autograd_guard as guard  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 TOGGLE = "FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED"
-
-
-@pytest.fixture
-def registry(monkeypatch):
-    registry = Registry()
-    monkeypatch.setattr(_events, "REGISTRY", registry)
-    monkeypatch.setattr(_isolation, "REGISTRY", registry)
-    return registry
 
 
 @pytest.fixture

@@ -9,19 +9,10 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed.fsdp  # noqa: E402,F401,F811  (fires the post-import hook if the .pth is active)
 
-from fsdp_autopatch import _events, _isolation  # noqa: E402
-from fsdp_autopatch._registry import Registry  # noqa: E402
+from fsdp_autopatch import _isolation  # noqa: E402
 from fsdp_autopatch.patches import inference_mode_first_forward as patch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def registry(monkeypatch):
-    registry = Registry()
-    monkeypatch.setattr(_events, "REGISTRY", registry)
-    monkeypatch.setattr(_isolation, "REGISTRY", registry)
-    return registry
 
 
 def _mode() -> tuple[bool, bool]:
