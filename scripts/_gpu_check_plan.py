@@ -2,10 +2,10 @@
 launches (which patches each disables, which cases it runs), and the expectations of
 ``tests/expected.py`` for the torch found. Standard library only.
 
-Every fix and guard of the catalogue has a case: the first eight have cases of their own here
-(``_gpu_check_cases.py``, ``_gpu_check_cases_mesh.py``: bf16 and the MoE model for the first four);
-every later entry runs its ``demo --bug`` show (``fsdp_autopatch.demo.bugs``, from the installed
-wheel) on the check's device, so an entry added with its show is in the GPU check with no line here.
+Every fix and guard of the catalogue has a case: the first four have cases of their own here
+(``_gpu_check_cases.py``: bf16 and the MoE model they share); every later entry runs its
+``demo --bug`` show (``fsdp_autopatch.demo.bugs``, from the installed wheel) on the check's device,
+so its model is written once and an entry added with its show is in the GPU check with no line here.
 """
 
 from __future__ import annotations
@@ -34,10 +34,6 @@ NATIVE = (
     PatchCase("unused_param_reduction", "b", "ranks run different experts, set_reduce_scatter_unused_params(True)"),
     PatchCase("uniform_reduce_dtype", "c", "an expert first used in the last micro-batch: bf16 next to fp32 gradients"),
     PatchCase("restore_unused_param_grads", "d", "fill on, an expert used by no rank, two AdamW steps"),
-    PatchCase("post_forward_mesh_cache", "e", "8 units with reshard_after_forward=2: process groups created"),
-    PatchCase("grouped_module_reuse", "f", "fully_shard([norm, head]), head called again in the root's forward"),
-    PatchCase("keep_param_attributes", "g", "no_weight_decay marks set before fully_shard pick the AdamW groups"),
-    PatchCase("clip_grad_norm_multi_mesh", "h", "clip_grad_norm_ over gradients on a ('dp',) and an ('edp',) mesh"),
 )
 
 
@@ -57,7 +53,7 @@ def _show_what(path: Path) -> str:
 
 
 def _show_cases() -> tuple[PatchCase, ...]:
-    """The catalogue's fixes and guards after the first eight that have a show, in catalogue order."""
+    """The catalogue's fixes and guards after the first four that have a show, in catalogue order."""
     catalogue = _load(PACKAGE / "_catalogue.py", "_gpu_check_catalogue")  # a leaf: imports nothing
     letters = load_expected().BUG_OF if EXPECTED.is_file() else {}
     native = {p.name for p in NATIVE}

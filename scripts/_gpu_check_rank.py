@@ -145,12 +145,10 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
     results.data["backend"] = str(dist.get_backend())
     ctx = Ctx(rank, world_size, device, args.compile_backend, 1e-4 if args.device == "cuda" else 1e-5)
     from _gpu_check_cases import CASES
-    from _gpu_check_cases_mesh import CASES as MESH_CASES
     from _gpu_check_cases_shows import case_for
 
-    cases = {**CASES, **MESH_CASES}
     for name in filter(None, args.cases.split(",")):
-        _run_case(name, cases.get(name) or case_for(name), ctx, results)
+        _run_case(name, CASES.get(name) or case_for(name), ctx, results)
     if args.cost_json:
         from _gpu_check_cost import run_cost
 

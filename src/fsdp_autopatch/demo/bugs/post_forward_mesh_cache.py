@@ -37,4 +37,4 @@ def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     diff, grads_right = grads_verdict(model, _linear_stack, sum_loss, world_size, rank)
     value = (f"{MESH_UNITS} units with reshard_after_forward=2 (and the root) on {world_size} ranks created "
              f"{created} process groups; max relative |grad - reference| {diff:.1e}")
-    return {"right": grads_right and created <= 2, "value": value}
+    return {"right": grads_right and created <= 2, "value": value, "process_groups": created}
