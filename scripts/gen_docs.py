@@ -82,8 +82,12 @@ def ordering() -> str:
 
 
 def _code_if_error(symptom: str) -> str:
-    # An exception message reads best as code; a described wrong value as prose.
-    return f"`{symptom}`" if re.match(r"^[A-Z]\w*Error\b", symptom) else symptom
+    # An exception message reads best as code, a described wrong value as prose; a symptom that
+    # starts with the message and goes on after "; " is both (only the message in code).
+    if not re.match(r"^[A-Z]\w*Error\b", symptom):
+        return symptom
+    message, sep, prose = symptom.partition("; ")
+    return f"`{message}`{sep}{prose}"
 
 
 def toggle_rows() -> str:

@@ -33,7 +33,7 @@ switchable by an environment variable, and a registry records what happened:
 * ``sac_prefetched_unit``                – an FSDP2 unit unshard()ed or forward-prefetched before a
                                            selective-checkpointing region trains.
 * ``dcp_optimizer_state_init``           – DCP's optimizer state dict has an entry for every trainable parameter and no
-                                           dummy step.
+                                           dummy step (Adam, AdamW, SGD).
 * ``inference_mode_first_forward``       – an evaluation under `torch.inference_mode()` before the first training step
                                            does not break training.
 .. end generated

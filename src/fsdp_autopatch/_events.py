@@ -28,6 +28,19 @@ def fired(name: str, without: str, where: str = "") -> None:
         logger.log(level, "%s fired: %s%s", name, without, f" ({shorten(where)})" if where else "")
 
 
+_noted: set[tuple[str, str]] = set()
+
+
+def left_to_torch(name: str, case: str, why: str) -> None:
+    """Say once per process and ``case`` (INFO) that patch ``name`` saw a call it does not cover and
+    left it to torch: ``status`` says ``applied`` there, and a user whose run still fails must be
+    able to see why. No count: nothing was changed."""
+    if (name, case) in _noted or not logger.isEnabledFor(logging.INFO):
+        return
+    _noted.add((name, case))
+    logger.info("%s left to torch: %s", name, why)
+
+
 class GuardError(RuntimeError):
     """A guard stopped a run that torch would train silently wrong.
 

@@ -144,6 +144,19 @@ def test_other_optimizers_and_dampening_are_left_to_torch():
         assert hooks == [1]  # torch's dummy step ran
 
 
+def test_an_optimizer_left_to_torch_is_said_once_where_logging_is_on(caplog):
+    class MyAdamW(torch.optim.AdamW):  # a subclass: its step may differ, so it is torch's
+        pass
+
+    model = Net()
+    optim = MyAdamW(list(model.parameters()), lr=0.1)
+    with caplog.at_level("INFO", logger="fsdp_autopatch"):
+        dcp_sd.get_state_dict(model, optim)
+        dcp_sd.get_state_dict(model, MyAdamW(list(model.parameters()), lr=0.1))
+    notes = [r.getMessage() for r in caplog.records if "left to torch" in r.getMessage()]
+    assert len(notes) == 1 and "MyAdamW is not exactly torch.optim.Adam" in notes[0], notes
+
+
 def test_a_parameter_without_state_that_has_a_gradient_is_left_to_torch():
     model, optim = _make("adamw")
     model(torch.randn(2, 4)).sum().backward()  # mid-accumulation, before the first step

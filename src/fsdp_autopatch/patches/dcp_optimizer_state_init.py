@@ -198,11 +198,23 @@ def _fill(optim: Any, stateless: list[tuple[dict, list[Any]]], torch: Any) -> in
     return sum(1 for p in created if len(optim.state.get(p, ())) > 0)
 
 
+def _note_unhandled(optim: Any) -> None:
+    """An optimizer this fix does not know (another class, a subclass, SGD with dampening): say so
+    once per class where logging is on, since torch's dummy step and its missing keys stay."""
+    cls = type(optim)
+    _events.left_to_torch(
+        NAME, f"{cls.__module__}.{cls.__qualname__}",
+        f"{cls.__qualname__} is not exactly torch.optim.Adam, AdamW or SGD without dampening: torch's dummy "
+        "optimizer step runs, and a parameter that never had a gradient still has no checkpoint entry",
+    )
+
+
 def _init_lazy_state(wrapped, instance, args, kwargs):
     import torch
 
     optim = wrapped.argument("optim")
     if not _handled(optim, torch):
+        _note_unhandled(optim)
         return wrapped(*args, **kwargs)
     stateless = _stateless(optim)
     if stateless is None or not any(params for _, params in stateless):
@@ -223,9 +235,10 @@ def _init_lazy_state(wrapped, instance, args, kwargs):
 
 PATCH = Patch(
     name=NAME,
-    summary="DCP's optimizer state dict has an entry for every trainable parameter and no dummy step",
-    symptom="RuntimeError: Missing key in checkpoint state_dict: optim.state.<param>.step at resume; a step-0 "
-    "checkpoint has Adam's step 1 (first AdamW update 0.745x its size)",
+    summary="DCP's optimizer state dict has an entry for every trainable parameter and no dummy step "
+    "(Adam, AdamW, SGD)",
+    symptom="RuntimeError: Missing key in checkpoint state_dict: optim.state.<param>.step; silently, a step-0 "
+    "checkpoint records Adam's step 1 (the first AdamW update 0.745x its size)",
     trigger="dcp.save / dcp.load with get_state_dict or set_state_dict and a trainable parameter that never had a "
     "gradient (unused expert, unused-param fill), or a checkpoint before the first optimizer.step()",
     upstream=("PyTorch issue 192202", "PyTorch issue 164929", "NeMo Automodel PRs 2071, 2779", "prime-rl PR 2800",
