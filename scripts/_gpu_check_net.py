@@ -32,7 +32,6 @@ class Ctx:
     world_size: int
     device: torch.device
     compile_backend: str
-    fp32_tolerance: float
 
     def mesh(self, names: tuple[str, ...] | None = None):
         from torch.distributed.device_mesh import init_device_mesh

@@ -143,7 +143,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
         options["device_id"] = device
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **options)
     results.data["backend"] = str(dist.get_backend())
-    ctx = Ctx(rank, world_size, device, args.compile_backend, 1e-4 if args.device == "cuda" else 1e-5)
+    ctx = Ctx(rank, world_size, device, args.compile_backend)
     from _gpu_check_cases import CASES
     from _gpu_check_cases_shows import case_for
 

@@ -63,6 +63,8 @@ def statuses_with_fsdp2(statuses: dict[str, str]) -> dict[str, str]:
         name: EXPECTED_STATUS.get(name, got) if got == "pending" and name in ex.WAITS_FOR else got
         for name, got in statuses.items()
     }
+
+
 NATIVE_UNUSED_PARAM_API = ex.has_native_unused_param_api(RELEASE)
 
 # Tolerances. fp32 runs differ from the single-process reference only by summation

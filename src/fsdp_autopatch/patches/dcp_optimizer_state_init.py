@@ -199,13 +199,17 @@ def _fill(optim: Any, stateless: list[tuple[dict, list[Any]]], torch: Any) -> in
 
 
 def _note_unhandled(optim: Any) -> None:
-    """An optimizer this fix does not know (another class, a subclass, SGD with dampening): say so
-    once per class where logging is on, since torch's dummy step and its missing keys stay."""
+    """An optimizer this fix does not know (another class, a subclass, SGD with dampening) with a
+    trainable parameter that has no state: say so once per class where logging is on, since
+    torch's dummy step or the missing checkpoint entry stays."""
+    if not any(p.requires_grad and not optim.state.get(p) for g in optim.param_groups for p in g["params"]):
+        return  # every parameter has its state: torch returns early, nothing for the fix to do anyway
     cls = type(optim)
     _events.left_to_torch(
         NAME, f"{cls.__module__}.{cls.__qualname__}",
-        f"{cls.__qualname__} is not exactly torch.optim.Adam, AdamW or SGD without dampening: torch's dummy "
-        "optimizer step runs, and a parameter that never had a gradient still has no checkpoint entry",
+        f"{cls.__qualname__} is not exactly torch.optim.Adam, AdamW or SGD without dampening: torch's own "
+        "function runs (a dummy optimizer step on an optimizer without state; no checkpoint entry for a "
+        "parameter that never had a gradient)",
     )
 
 
