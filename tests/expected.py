@@ -205,6 +205,36 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
     }
 
 
+
+# --- the cases: each entry's smallest training (``fsdp_autopatch.cases.<entry>``) ------------------
+# test_dist_cases.py runs every case on gloo ranks with its entry off and with the plugin as
+# installed, and judges the raw record (never the case's own verdict) against these rows, with the
+# tests' own tolerances, and against the case's one-process reference. A row's keys, each optional:
+#   "error":  None (the run completed), or how ``"Type: message"`` starts (a tuple: any of them);
+#   "grads", "params": REFERENCE / BF16 (within fp32 / bf16 tolerance of the reference's), WRONG (not
+#             within fp32 tolerance: a silent wrong value);
+#   "values": {key: what the record's values[key] must equal}.
+# "on" is checked with the plugin as installed; "off" where ``unpatched_outcome`` says the bug
+# reproduces (where it says fixed, the off run must meet "on" instead).
+REFERENCE, BF16, WRONG = "reference", "bf16", "wrong"
+COMPLETED = {"error": None}
+
+
+def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
+    """Per entry, what its case records ``"on"`` and ``"off"`` on ``release``."""
+    return {
+        # (e) 8 units, k=2, 4 ranks: 2 process groups per unit without the patch, one shared mesh with it
+        "post_forward_mesh_cache": {
+            "on": {**COMPLETED, "grads": REFERENCE, "values": {"process_groups": 2}},
+            "off": {**COMPLETED, "grads": REFERENCE, "values": {"process_groups": 16}},
+        },
+        # (m) the backward meets the resized-away unsharded storage
+        "inplace_view_output": {
+            "on": {**COMPLETED, "grads": REFERENCE},
+            "off": {"error": "RuntimeError: setStorage: "},
+        },
+    }
+
 # What a patch's status claims about its bug's scenario with the patch disabled. On every runnable
 # measured release (2.8 - 2.15) ``unpatched_outcome`` equals this mapping of ``expected_status``
 # (tests/unit/test_matrix_unmeasured.py checks it): "applied" means the structural check found the

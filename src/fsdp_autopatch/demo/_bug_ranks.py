@@ -1,9 +1,9 @@
-"""The rank side of ``demo --bug NAME``: run the bug's show (``fsdp_autopatch.demo.bugs.<NAME>``).
+"""The rank side of ``demo --bug NAME``: run the entry's case (``fsdp_autopatch.cases.<NAME>``).
 
-The show builds its model with FSDP2 on CPU ranks (gloo), runs it and, on rank 0, returns
-``{"right": bool, "value": str}``: what was measured (process groups, gradients against a
-one-process reference, attribute names, norms) and whether that is the right value. Every rank
-returns; an exception is reported by the worker. torch is imported inside functions.
+Every rank runs the case on CPU ranks (gloo); rank 0 then judges its raw record against the case's
+one-process reference (``cases.verdict``): ``{"right": bool, "value": str}``, what was measured
+(process groups, gradients against the reference, attribute names, norms) and whether that is the
+right value. torch is imported inside functions.
 """
 
 from __future__ import annotations
@@ -35,14 +35,18 @@ def _show(bug: str, rank: int, progress) -> dict[str, Any]:
     progress.at("init_process_group")
     dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
     progress.at(bug)
-    from . import bugs
+    from .. import cases
 
-    out = bugs.load(bug).show(rank, int(os.environ["WORLD_SIZE"]))
+    world_size = int(os.environ["WORLD_SIZE"])
+    record = cases.run_case(bug, rank, world_size)
     progress.at("barrier")
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        out.update(_what_the_plugin_says(bug))
+    if rank != 0:
+        return {"right": True, "value": ""}
+    progress.at("reference")
+    out = cases.verdict(bug, record, world_size)
+    out.update(_what_the_plugin_says(bug))
     return out
 
 

@@ -1,7 +1,7 @@
 """``fsdp-autopatch demo --bug NAME``: one bug's smallest training, without its patch, then with it.
 
-The patches whose bugs the demo's model does not meet each have a model of their own, so each has
-its own short run (``fsdp_autopatch.demo.bugs``, one module per patch): a sub-run with only that patch disabled
+Each entry's bug has its smallest training in its case (``fsdp_autopatch.cases``, one module per
+entry), so each has its own short run: a sub-run with only that patch disabled
 (``FSDP_AUTOPATCH_<NAME>_ENABLED=0``) shows the failure or the wrong value, a sub-run with the
 plugin as installed shows the right value. Both are bounded by the demo's timeouts. Stdlib only.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
-from . import bugs
+from .. import cases
 from ._scenarios import RUN_TIMEOUT_S, Scenario
 from ._subrun import RunResult, describe_failure, one_line, run_scenario
 
@@ -25,8 +25,8 @@ class BugShow:
 
 def _shows() -> dict[str, BugShow]:
     shows = {}
-    for name in bugs.NAMES:
-        module = bugs.load(name)
+    for name in cases.NAMES:
+        module = cases.load(name)
         shows[name] = BugShow(name, module.WORLD_SIZE, module.WHAT)
     return shows
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from .._bug_common import DIM, fsdp_api, rank_batch
+from ._common import DIM, fsdp_api, rank_batch
 
 WORLD_SIZE = 2
 WHAT = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._bug_common import (
+from ._common import (
     DIM,
     TOLERANCE,
     backward_every_rank,

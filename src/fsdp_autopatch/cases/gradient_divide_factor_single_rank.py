@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._bug_common import DIM, TOLERANCE, fsdp_api, full_grads, max_diff, rank_batch, sum_loss
+from ._common import DIM, TOLERANCE, fsdp_api, full_grads, max_diff, rank_batch, sum_loss
 
 WORLD_SIZE = 2
 WHAT = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._bug_common import DIM, fsdp_api, guard_stopped, rank_batch, sum_loss, sum_reduction
+from ._common import DIM, fsdp_api, guard_stopped, rank_batch, sum_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = (

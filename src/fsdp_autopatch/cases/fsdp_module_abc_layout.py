@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._bug_common import DIM, fsdp_api, grads_verdict, rank_batch, sum_loss, sum_reduction
+from ._common import DIM, fsdp_api, grads_verdict, rank_batch, sum_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = "class Model(abc.ABC, nn.Module) with an abstract hook, its block and itself as units; one backward"

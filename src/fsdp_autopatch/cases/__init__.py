@@ -1,0 +1,87 @@
+"""One case per entry: the smallest training that meets the entry's bug, written once.
+
+``demo --bug NAME``, the GPU check (``scripts/gpu_check.py``, on any device) and the tests
+(``tests/distributed/test_dist_cases.py``) all run these modules; no bug's model is written anywhere
+else. A case module is named after its entry (``fsdp_autopatch.cases.<entry>``, found by listing
+this package) and holds:
+
+- ``WORLD_SIZE`` (ranks) and ``WHAT`` (the run, in one line): literals, so the demo's parent
+  process reads them without torch;
+- ``run(rank, world_size, device="cpu") -> dict``: the training with the trigger, on every rank of
+  an initialized process group; returns its *raw record*;
+- ``reference(world_size) -> dict``: the same training in one process on the CPU, where it is
+  right: the values the record is compared with;
+- optionally ``judge(record, reference) -> (right, text)``: the case's own verdict, which the demo
+  and the GPU check print (default: :func:`judge`). The tests never read it: they judge the raw
+  record against ``tests/expected.py`` with their own tolerances.
+
+A raw record and a reference are JSON values (the demo's and the GPU check's ranks write JSON):
+``"grads"`` (the full gradients, ``{name: nested list}``), ``"params"`` (the full weights after the
+run's steps), ``"values"`` (``{key: number, bool, str or list}``: process groups, attributes kept,
+norms, optimizer steps), each only where the case measures it. :func:`run_case` adds ``"error"``:
+``None``, or ``{"type", "message"}`` of what the run raised (a guard's ``GuardError`` included).
+Batches and references are drawn on the CPU, so a record reads the same numbers on every device.
+torch is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+NAMES = tuple(sorted(module.name for module in pkgutil.iter_modules(__path__) if not module.name.startswith("_")))
+
+
+def load(name: str):
+    """The case module of entry ``name`` (a ``KeyError`` for a name without a case)."""
+    if name not in NAMES:
+        raise KeyError(name)
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def run_case(name: str, rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
+    """Entry ``name``'s run on this rank: its raw record, with ``"error"`` (what it raised, or None).
+
+    Every exception of the run is recorded, not raised: a bug's crash is the record's value.
+    """
+    try:
+        record = dict(load(name).run(rank, world_size, device=device))
+        record["error"] = None
+    except Exception as error:  # the bug's crash, or a guard's stop: the record says which
+        record = {"error": error_record(error)}
+    return record
+
+
+def error_record(error: BaseException) -> dict[str, str]:
+    return {"type": type(error).__name__, "message": " ".join(str(error).split())}
+
+
+def error_text(error: dict[str, str]) -> str:
+    return f"{error['type']}: {error['message']}"
+
+
+def verdict(name: str, record: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """What the demo and the GPU check print of rank 0's ``record``: ``{"right", "value"}``, and a
+    guard's whole error (``"guard_error"``) where the run stopped with one. Computes the reference."""
+    error = record.get("error")
+    if error and error["type"] == "GuardError":  # whole: it is what the user's own run prints
+        return {"right": True, "value": "the run stopped with the guard's error:", "guard_error": error_text(error)}
+    if error:
+        return {"right": False, "value": error_text(error)}
+    module = load(name)
+    right, value = getattr(module, "judge", judge)(record, module.reference(world_size))
+    return {"right": right, "value": value}
+
+
+def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:
+    """The default verdict: no error, and the gradients and weights the reference has equal it
+    (``max |got - ref| / max |ref|`` within ``_common.TOLERANCE``)."""
+    from ._common import judge_against_reference
+
+    if record.get("error"):
+        return False, error_text(record["error"])
+    return judge_against_reference(record, reference)
+
+
+__all__ = ["NAMES", "error_record", "error_text", "judge", "load", "run_case", "verdict"]
