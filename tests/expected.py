@@ -233,6 +233,21 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "on": {**COMPLETED, "grads": REFERENCE},
             "off": {"error": "RuntimeError: setStorage: "},
         },
+        # ROWS-TODO accumulated_grad_guard
+        # ROWS-TODO unused_param_reduction
+        # ROWS-TODO uniform_reduce_dtype
+        # ROWS-TODO restore_unused_param_grads
+        # ROWS-TODO grouped_module_reuse
+        # ROWS-TODO keep_param_attributes
+        # ROWS-TODO clip_grad_norm_multi_mesh
+        # ROWS-TODO fsdp_module_abc_layout
+        # ROWS-TODO optimizer_unsharded_params_guard
+        # ROWS-TODO gradient_divide_factor_single_rank
+        # ROWS-TODO compiled_autograd_guard
+        # ROWS-TODO stale_backward_recovery
+        # ROWS-TODO sac_prefetched_unit
+        # ROWS-TODO dcp_optimizer_state_init
+        # ROWS-TODO inference_mode_first_forward
     }
 
 # What a patch's status claims about its bug's scenario with the patch disabled. On every runnable
