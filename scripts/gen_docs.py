@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from packaging.specifiers import SpecifierSet  # noqa: E402
 
-from fsdp_autopatch import _catalogue, patches  # noqa: E402
-from fsdp_autopatch.demo import bugs  # noqa: E402
+from fsdp_autopatch import _catalogue, cases, patches  # noqa: E402
 
 
 def torch_range(affected: str) -> str:
@@ -65,7 +64,7 @@ def readme_table() -> str:
 
 
 def demo_bugs() -> str:
-    return "`NAME` one of " + ", ".join(f"`{name}`" for name in bugs.NAMES)
+    return "`NAME` one of " + ", ".join(f"`{name}`" for name in cases.NAMES)
 
 
 def ordering() -> str:

@@ -1,5 +1,5 @@
-"""``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [-v] [NAME] [--json]``, ``doctor [--json]``
-and ``demo``.
+"""``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [-v] [NAME] [--json]``, ``doctor [--json]``,
+``demo`` and ``gpu-check [--device ...]`` (``fsdp_autopatch._gpu_check``, imported only when it runs).
 
 ``status`` prints one line per patch within 100 columns (name, kind, status, fired, the start of
 the reason) and a short footer; ``status -v`` each whole reason and toggle; ``status NAME`` one
@@ -42,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import _doctor
 
         return _doctor.main(as_json=args.json)
+    if args.command == "gpu-check":
+        from ._gpu_check import _main
+
+        return _main.run(args)
     parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse catches it
     return 2
 
@@ -49,10 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-autopatch",
-        description="Automatic fixes for known PyTorch FSDP2 bugs: inspect them, diagnose the set-up, or run the demo.",
+        description="Automatic fixes for known PyTorch FSDP2 bugs: inspect them, diagnose the set-up, run the demo, "
+        "or check them on this machine's GPUs.",
     )
     parser.add_argument("--version", action="version", version=f"fsdp-autopatch {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{status,doctor,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{status,doctor,demo,gpu-check}")
     status = commands.add_parser(
         "status", help="import torch's FSDP2 and show which patches applied here, and why"
     )
@@ -72,7 +77,29 @@ def _build_parser() -> argparse.ArgumentParser:
         "(--without-patches shows the failures; --bug NAME another patch's bug on its own model)",
         add_help=False,
     )
+    _add_gpu_check(commands)
     return parser
+
+
+def _add_gpu_check(commands) -> None:
+    gpu = commands.add_parser(
+        "gpu-check",
+        help="check the plugin as installed here on this machine's GPUs (NCCL; --device cpu: 2 gloo ranks): "
+        "every patch's bug, training, step cost; writes report.json (exit status 1 when a case is wrong)",
+    )
+    gpu.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                     help="auto (default): cuda when torch sees a GPU, else say so and exit 0")
+    gpu.add_argument("--out", default="fsdp-autopatch-gpu-check", help="report folder (default %(default)s)")
+    gpu.add_argument("--expected", metavar="PATH", help="a checkout's tests/expected.py: also judge the plugin-off "
+                     "runs against what it says for this torch (findings)")
+    gpu.add_argument("--world-size", type=int, help="ranks (default: the GPUs on cuda, 2 on cpu)")
+    gpu.add_argument("--budget", type=float, help="overall time guard in seconds (default 450 cuda, 240 cpu)")
+    gpu.add_argument("--jobs", type=int, help="launches at a time before the cost (default: 4 on cuda, 2 on cpu)")
+    gpu.add_argument("--compile-backend", help="torch.compile backend (default inductor on cuda, aot_eager on cpu)")
+    gpu.add_argument("--only", nargs="+", metavar="PATCH",
+                     choices=[e.name for e in _catalogue.ENTRIES if e.kind != _catalogue.POLICY],
+                     help="only these patches' bug cases (no training, no cost)")
+    gpu.add_argument("--setup-json", help=argparse.SUPPRESS)  # scripts/gpu_check.py: its wheel and set-up times
 
 
 def _status(as_json: bool, verbose: bool, name: str | None, parser: argparse.ArgumentParser) -> int:

@@ -119,6 +119,27 @@ def observe_patched(bug: str, detail: str) -> None:
     observe(bug, "on", "correct", detail)
 
 
+def off_and_on(scenario: str, patch: str, **launch: Any):
+    """The module-scoped fixtures ``unpatched`` (``patch`` disabled by its variable) and ``patched``
+    (the plugin as installed) of a variants test: one launch of ``scenario`` each, with ``launch``'s
+    ``run_ranks`` arguments. ``unpatched, patched = ck.off_and_on("my_scenario", PATCH)``."""
+    import pytest
+
+    from _dist_launcher import run_ranks
+
+    env = launch.pop("env", {})
+
+    @pytest.fixture(scope="module")
+    def unpatched() -> RunResult:
+        return run_ranks(scenario, env={**env, ENV[patch]: "0"}, **launch)
+
+    @pytest.fixture(scope="module")
+    def patched() -> RunResult:
+        return run_ranks(scenario, env=env, **launch)
+
+    return unpatched, patched
+
+
 # --- registry ---------------------------------------------------------------------------
 
 

@@ -13,7 +13,6 @@ import pytest
 
 import _dist_checks as ck
 import _dist_common as sc
-from _dist_launcher import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,14 +21,7 @@ TOWER = ("tower.0.weight", "tower.0.bias", "tower.2.weight", "tower.2.bias")
 MESSAGE = "'FSDPParam' object has no attribute '_unsharded_param'"
 
 
-@pytest.fixture(scope="module")
-def unpatched():
-    return run_ranks("grad_guard", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched():
-    return run_ranks("grad_guard")
+unpatched, patched = ck.off_and_on("grad_guard", PATCH)
 
 
 def _crashed(run) -> bool:

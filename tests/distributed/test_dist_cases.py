@@ -38,7 +38,7 @@ def world_size(name: str) -> int:
     return cases.load(name).WORLD_SIZE
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name: str) -> dict[str, Any]:
     return cases.load(name).reference(world_size(name))
 

@@ -19,7 +19,7 @@ import torch
 import _dist_checks as ck
 import _dist_common as sc
 import _fsdp_module_abc_layout_scenarios as abc_sc
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,14 +29,7 @@ CASES = {"default": False, "bf16": True}  # case -> bf16 tolerance
 MESSAGE = "__class__ assignment: 'FSDPTanhBlock' object layout differs from 'TanhBlock'"
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("abc_layout", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("abc_layout")
+unpatched, patched = ck.off_and_on("abc_layout", PATCH)
 
 
 def reference_grads() -> dict[str, torch.Tensor]:

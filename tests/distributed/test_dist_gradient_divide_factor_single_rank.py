@@ -21,7 +21,7 @@ import torch
 
 import _dist_checks as ck
 import _gradient_divide_factor_single_rank_scenarios as gd
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,14 +40,7 @@ def _skip_without_the_dividing_copy(case: str) -> None:
         pytest.skip(f"{case}: torch {torch.__version__} has no dividing one-rank copy")
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("divide_factor_single_rank", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("divide_factor_single_rank")
+unpatched, patched = ck.off_and_on("divide_factor_single_rank", PATCH)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import torch
 
 import _dist_checks as ck
 import _inference_mode_first_forward_scenarios as im
-from _dist_launcher import RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,14 +33,7 @@ COUNTER = "Inference tensors do not track version counter"  # the one-rank copy 
 PARAMS_PER_MODEL = 4  # inp.weight, inp.bias, out.weight, out.bias
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("inference_first_forward", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("inference_first_forward")
+unpatched, patched = ck.off_and_on("inference_first_forward", PATCH)
 
 
 def _torch_error(error: dict | None) -> str | None:

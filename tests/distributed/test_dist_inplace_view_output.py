@@ -23,7 +23,6 @@ import torch
 import _dist_checks as ck
 import _dist_common as sc
 import _inplace_view_output_scenarios as iv
-from _dist_launcher import RunResult, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,14 +34,7 @@ MESSAGE_END = "out of bounds for storage of size 0"
 AC_MESSAGE = "aten.mm.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor"
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("inplace_view", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("inplace_view")
+unpatched, patched = ck.off_and_on("inplace_view", PATCH)
 
 
 def reference_grads(case: str) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 
 import _dist_checks as ck
 import _keep_param_attributes_scenarios as at
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -39,14 +39,7 @@ MIN_UNPATCHED_DIFF = 0.01  # AdamW's decoupled decay lr * 0.5 * |p| on wrongly d
 STRICT_ERROR = "AttributeError: 'DTensor' object has no attribute 'no_weight_decay'"
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("keep_attrs", env={ck.ENV[PATCH]: "0"}, timeout=LAUNCH_TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("keep_attrs", timeout=LAUNCH_TIMEOUT_S)
+unpatched, patched = ck.off_and_on("keep_attrs", PATCH, timeout=LAUNCH_TIMEOUT_S)
 
 
 def case_records(run: RunResult, case: str) -> list[dict]:

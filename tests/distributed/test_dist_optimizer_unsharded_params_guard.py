@@ -21,7 +21,7 @@ import torch
 import _dist_checks as ck
 import _dist_common as sc
 import _optimizer_unsharded_params_guard_scenarios as ou
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,14 +32,7 @@ ROOT_PARAMS = ("head.weight", "head.bias")
 MIN_DIFF = 1e-3  # measured |w - ref| of head.* after 3 steps: 3.0e-2 / 7.1e-2 on 2.13
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("optimizer_unsharded", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("optimizer_unsharded")
+unpatched, patched = ck.off_and_on("optimizer_unsharded", PATCH)
 
 
 def reference() -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 import _dist_checks as ck
 import _post_forward_mesh_cache_scenarios as mc
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,14 +34,7 @@ ERRORS = {
 }
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("mesh_cache", env={ck.ENV[PATCH]: "0"}, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("mesh_cache", world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
+unpatched, patched = ck.off_and_on("mesh_cache", PATCH, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
 
 
 def records(run: RunResult, case: str) -> list[dict]:

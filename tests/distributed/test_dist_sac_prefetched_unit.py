@@ -21,7 +21,7 @@ import torch
 
 import _dist_checks as ck
 import _sac_prefetched_unit_scenarios as sac
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,14 +36,7 @@ MESSAGE_END = (
 )
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("sac_prefetched_unit", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("sac_prefetched_unit")
+unpatched, patched = ck.off_and_on("sac_prefetched_unit", PATCH)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import torch
 import _dist_checks as ck
 import _dist_common as sc
 import _stale_backward_recovery_scenarios as sb
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,14 +34,7 @@ BUG = "n"
 STEPS = (1, 2)
 
 
-@pytest.fixture(scope="module")
-def unpatched() -> RunResult:
-    return run_ranks("stale_backward", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("stale_backward")
+unpatched, patched = ck.off_and_on("stale_backward", PATCH)
 
 
 def _cases(run: RunResult, names) -> list[str]:

@@ -19,7 +19,6 @@ import pytest
 
 import _dist_checks as ck
 import _dist_common as sc
-from _dist_launcher import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,14 +30,7 @@ ASSERT_RE = re.compile(
 EXPERT1 = ("experts.1.weight", "experts.1.bias")
 
 
-@pytest.fixture(scope="module")
-def unpatched():
-    return run_ranks("uniform_dtype", env={ck.ENV[PATCH]: "0"})
-
-
-@pytest.fixture(scope="module")
-def patched():
-    return run_ranks("uniform_dtype")
+unpatched, patched = ck.off_and_on("uniform_dtype", PATCH)
 
 
 def _is_dtype_assertion(err) -> bool:

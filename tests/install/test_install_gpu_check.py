@@ -1,11 +1,14 @@
 """``scripts/gpu_check.py --device cpu`` end to end: it builds the wheel, installs it into a
 throwaway venv over the test run's interpreter (so that venv's torch is used and the ``.pth``
-activates the plugin as for a user), runs every bug case on 2 gloo ranks with the plugin on and with
-each patch off, the training flavours and the step cost, and writes its JSON report; the report is
-checked here against ``tests/expected.py`` for this torch. About 40 s on 2 cores (small models).
+activates the plugin as for a user), and runs that venv's ``fsdp-autopatch gpu-check --expected
+tests/expected.py``, which probes its interpreter and runs every bug case on 2 gloo ranks
+(``python -m fsdp_autopatch._gpu_check._rank``, from the wheel) with the plugin on and with each patch
+off, the training flavours and the step cost, and writes its JSON report; the report is checked here
+against ``tests/expected.py`` for this torch. About 80 s on 2 cores (small models).
 
-The same script, unchanged, is what runs on a CUDA machine (``--device cuda``); this test keeps its
-logic working where CI runs (no GPU).
+The same command, unchanged, is what runs on a CUDA machine (``--device cuda``); this test keeps its
+logic working where CI runs (no GPU). Its options and the exits without ranks:
+``tests/unit/test_cli_gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def gpu_check_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_the_plugin_came_from_the_wheel_through_the_pth(gpu_check_report: dict) -> None:
     plugin = gpu_check_report["plugin"]
-    assert plugin["bootstrap"] == "pth"
+    assert plugin["bootstrap"] == "pth" and "expected.py" in gpu_check_report["expected_source"]
     assert plugin["wheel"].startswith("fsdp_autopatch-") and plugin["wheel"].endswith(".whl")
     assert "site-packages" in plugin["file"] and str(REPO / "src") not in plugin["file"]
     where = (gpu_check_report["device"], gpu_check_report["backend"], gpu_check_report["world_size"])
@@ -62,10 +65,9 @@ def test_the_plugin_came_from_the_wheel_through_the_pth(gpu_check_report: dict) 
 
 def test_every_patch_is_right_with_the_plugin_on(gpu_check_report: dict) -> None:
     rows = gpu_check_report["patches"]
-    # every fix and guard has a case: the first four the check's own (the MoE model they share), every
-    # later one its demo show, so no entry's model is written twice
+    # every fix and guard runs its case module (fsdp_autopatch.cases), so no entry's model is written twice
     assert list(rows) == list(ex.PATCHES) and gpu_check_report["not_in_gpu_check"] == []
-    assert [n for n, row in rows.items() if row["source"] == "gpu check case"] == list(ex.PATCHES[:4])
+    assert [row["source"] for row in rows.values()] == [f"fsdp_autopatch.cases.{name}" for name in ex.PATCHES]
     statuses = gpu_check_report["plugin"]["statuses"]
     for name, row in rows.items():
         if name == "post_forward_mesh_cache":  # needs an even mesh of 4 or more ranks

@@ -17,6 +17,7 @@ from fsdp_autopatch import _catalogue as catalogue
 from fsdp_autopatch.patches import load_patch
 
 PATCHES_DIR = Path(catalogue.__file__).parent / "patches"
+CASES_DIR = Path(catalogue.__file__).parent / "cases"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "patches"
 
 
@@ -55,6 +56,20 @@ def test_the_catalogue_module_is_a_leaf():
 @pytest.mark.parametrize("name", catalogue.PATCH_NAMES)
 def test_every_fix_and_guard_has_a_docs_page(name):
     assert (DOCS / f"{name}.md").is_file(), f"docs/patches/{name}.md is missing"
+
+
+@pytest.mark.parametrize("name", catalogue.PATCH_NAMES)
+def test_every_fix_and_guard_has_a_case_and_its_rows(name):
+    """Its bug's smallest training, written once (demo --bug, the GPU check, test_dist_cases run it)."""
+    assert (CASES_DIR / f"{name}.py").is_file(), f"src/fsdp_autopatch/cases/{name}.py is missing"
+    for release in ex.MEASURED:
+        rows = ex.case_rows(release)
+        assert name in rows and set(rows[name]) == {"on", "off"}, f"tests/expected.py case_rows: {name}"
+
+
+def test_every_case_module_is_an_entry():
+    cases = {path.stem for path in CASES_DIR.glob("*.py") if not path.stem.startswith("_")}
+    assert sorted(cases - set(catalogue.PATCH_NAMES)) == [], "case modules of no fix or guard"
 
 
 def test_the_oracle_knows_every_fix_and_guard():

@@ -27,15 +27,16 @@ def test_registry_table_lines_up_for_every_catalogue_name(capsys):
 
 def test_guard_demo_prints_the_guard_error_whole(monkeypatch, capsys):
     """``demo --bug <guard>`` shows the guard's whole message: what the user's own run will print."""
+    from fsdp_autopatch import cases
     from fsdp_autopatch._events import stop
-    from fsdp_autopatch.demo import _bug_common, _bugs
+    from fsdp_autopatch.demo import _bugs
     from fsdp_autopatch.demo._scenarios import Scenario
     from fsdp_autopatch.demo._subrun import RunResult
 
     name = "optimizer_unsharded_params_guard"
     error = stop(name, "the optimizer holds " + ", ".join(f"layer{i}.weight [8, 8]" for i in range(12)),
                  "build the optimizer before the first forward, or pass reshard_after_forward=True")
-    stopped = _bug_common.guard_stopped(error, "the first step stopped")
+    stopped = cases.verdict(name, {"error": cases.error_record(error)}, 2)
 
     def fake_run(show, patched, timeout_s):
         rank0 = stopped if patched else {"right": False, "value": "the head did not move"}

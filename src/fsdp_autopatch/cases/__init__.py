@@ -1,6 +1,6 @@
 """One case per entry: the smallest training that meets the entry's bug, written once.
 
-``demo --bug NAME``, the GPU check (``scripts/gpu_check.py``, on any device) and the tests
+``demo --bug NAME``, the GPU check (``fsdp-autopatch gpu-check``, on any device) and the tests
 (``tests/distributed/test_dist_cases.py``) all run these modules; no bug's model is written anywhere
 else. A case module is named after its entry (``fsdp_autopatch.cases.<entry>``, found by listing
 this package) and holds:
@@ -48,13 +48,15 @@ def run_case(name: str, rank: int, world_size: int, device: str = "cpu") -> dict
     try:
         record = dict(load(name).run(rank, world_size, device=device))
         record["error"] = None
-    except Exception as error:  # the bug's crash, or a guard's stop: the record says which
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:  # the bug's crash or a guard's stop (DCP's CheckpointException is a BaseException)
         record = {"error": error_record(error)}
     return record
 
 
 def error_record(error: BaseException) -> dict[str, str]:
-    return {"type": type(error).__name__, "message": " ".join(str(error).split())}
+    return {"type": type(error).__name__, "message": str(error)}
 
 
 def error_text(error: dict[str, str]) -> str:

@@ -89,26 +89,3 @@ def judge_against_reference(record: dict[str, Any], reference: dict[str, Any]) -
             parts.append(f"max relative |{what} - reference| {diff:.1e}")
     return right, "; ".join(parts) or "completed"
 
-
-# --- LEGACY: the show() helpers, until every case is converted (REMOVE before commit) ---------
-def backward_every_rank(model, loss_of, world_size: int) -> None:
-    for rank in range(world_size):
-        (loss_of(model, rank_batch(rank)) / world_size).backward()
-
-
-def reference_grads(build, loss_of, world_size: int) -> dict[str, Any]:
-    model = build()
-    backward_every_rank(model, loss_of, world_size)
-    return {n: p.grad for n, p in model.named_parameters()}
-
-
-def grads_verdict(model, build, loss_of, world_size: int, rank: int):
-    grads = full_grads(model)
-    if rank != 0:
-        return 0.0, True
-    diff = max_diff(grads, reference_grads(build, loss_of, world_size))
-    return diff, diff <= TOLERANCE
-
-
-def guard_stopped(error, what):
-    raise error

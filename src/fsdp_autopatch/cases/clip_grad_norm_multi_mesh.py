@@ -1,20 +1,10 @@
-"""``demo --bug clip_grad_norm_multi_mesh``: dense parameters on ("dp",), experts on ("edp",)."""
+"""clip_grad_norm_multi_mesh's case: dense parameters on ("dp",), experts on ("edp",) (PyTorch issue 180346)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._common import (
-    DIM,
-    TOLERANCE,
-    backward_every_rank,
-    fsdp_api,
-    full_grads,
-    max_diff,
-    rank_batch,
-    sum_loss,
-    sum_reduction,
-)
+from ._common import DIM, TOLERANCE, fsdp_api, full_grads, judge_against_reference, rank_batch, sum_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = (
@@ -33,7 +23,7 @@ def _dense_and_expert():
     return nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
 
 
-def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
+def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     _, init_device_mesh, fully_shard = fsdp_api()
@@ -43,15 +33,24 @@ def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     sum_reduction(fully_shard(model[1], mesh=edp), fully_shard(model, mesh=dp))
     sum_loss(model, rank_batch(rank, device=device)).backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    total = (total.full_tensor() if hasattr(total, "full_tensor") else total).cpu()
-    grads = full_grads(model)  # collective
-    if rank != 0:
-        return {"right": True, "value": ""}
-    reference = _dense_and_expert()
-    backward_every_rank(reference, sum_loss, world_size)
-    ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-    diff = max_diff(grads, {n: p.grad for n, p in reference.named_parameters()})
-    norm_diff = float((total - ref_total).abs())
-    value = (f"total norm {float(total):.6f} (reference {float(ref_total):.6f}); "
-             f"max relative |clipped grad - reference| {diff:.1e}")
-    return {"right": norm_diff <= TOLERANCE * float(ref_total) and diff <= TOLERANCE, "value": value}
+    total = total.full_tensor() if hasattr(total, "full_tensor") else total
+    return {"grads": full_grads(model), "values": {"total_norm": float(total)}}
+
+
+def reference(world_size: int) -> dict[str, Any]:
+    import torch
+
+    model = _dense_and_expert()
+    for rank in range(world_size):
+        (sum_loss(model, rank_batch(rank)) / world_size).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    return {"grads": full_grads(model), "values": {"total_norm": float(total)}}
+
+
+def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:
+    """Right: the total norm and the clipped gradients equal the one-process clip's."""
+    grads_right, grads_text = judge_against_reference(record, reference)
+    total, ref_total = record["values"]["total_norm"], reference["values"]["total_norm"]
+    norm_right = abs(total - ref_total) <= TOLERANCE * ref_total
+    text = f"total norm {total:.6f} (reference {ref_total:.6f}); {grads_text.replace('grad', 'clipped grad')}"
+    return grads_right and norm_right, text

@@ -1,10 +1,10 @@
-"""``demo --bug compiled_autograd_guard``: FSDP2's backward under compiled autograd."""
+"""compiled_autograd_guard's case: FSDP2's backward under compiled autograd (torchtitan issue 1708)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._common import DIM, fsdp_api, guard_stopped, rank_batch, sum_loss
+from ._common import DIM, fsdp_api, full_params, judge_against_reference, rank_batch, sum_loss
 
 WORLD_SIZE = 2
 WHAT = (
@@ -12,6 +12,7 @@ WHAT = (
     "compiled_autograd._enable(torch.compile(backend='eager')) around backward()"
 )
 STEPS = 3
+LR = 0.1
 
 
 def _model():
@@ -22,7 +23,7 @@ def _model():
     return nn.Sequential(nn.Linear(DIM, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
+def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import torch
     from torch._dynamo import compiled_autograd
 
@@ -33,16 +34,36 @@ def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
         fully_shard(unit, mesh=mesh)
     first = model[0].weight  # the sharded parameter the optimizer updates
     before = first.full_tensor().clone()  # collective
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
-        for _ in range(STEPS):
-            loss = sum_loss(model, rank_batch(rank, device=device))
-            with compiled_autograd._enable(torch.compile(backend="eager")):
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    except Exception as error:  # the guard's GuardError, raised alike on every rank
-        return guard_stopped(error, "the first backward stopped")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):  # with the guard on, the first backward raises its GuardError on every rank
+        loss = sum_loss(model, rank_batch(rank, device=device))
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
     moved = float((first.full_tensor() - before).abs().max())  # collective
-    value = f"after {STEPS} steps the first layer's weight moved by {moved:.1e} (eager FSDP2: it trains)"
-    return {"right": moved > 0, "value": value}
+    return {"params": full_params(model), "values": {"first_weight_moved": moved > 0, "first_weight_moved_by": moved}}
+
+
+def reference(world_size: int) -> dict[str, Any]:
+    """One process, eager: SGD on the mean of every rank's loss (what eager FSDP2 trains to)."""
+    import torch
+
+    model = _model()
+    before = model[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        for rank in range(world_size):
+            (sum_loss(model, rank_batch(rank)) / world_size).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = float((model[0].weight.detach() - before).abs().max())
+    return {"params": full_params(model), "values": {"first_weight_moved": moved > 0, "first_weight_moved_by": moved}}
+
+
+def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:
+    """Right: the weights equal the eager one-process reference's (the first layer trains)."""
+    right, text = judge_against_reference(record, reference)
+    moved = record["values"]["first_weight_moved_by"]
+    return right, (f"after {STEPS} steps the first layer's weight moved by {moved:.1e} "
+                   f"(eager: {reference['values']['first_weight_moved_by']:.1e}); {text}")

@@ -1,10 +1,10 @@
-"""``demo --bug keep_param_attributes``: user attributes on parameters across fully_shard."""
+"""keep_param_attributes's case: user attributes on parameters across fully_shard (PyTorch issue 136929)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._common import DIM, TOLERANCE, backward_every_rank, fsdp_api, max_diff, rank_batch, sum_loss, sum_reduction
+from ._common import DIM, fsdp_api, full_params, judge_against_reference, rank_batch, sum_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = (
@@ -27,8 +27,9 @@ def _tagged_model():
     return model
 
 
-def _user_attributes(model) -> dict[str, list[str]]:
-    return {n: sorted(k for k in vars(p) if not k.startswith("_")) for n, p in model.named_parameters()}
+def _attributes(model) -> list[str]:
+    """The user attributes on the parameters, as ``"<parameter>.<attribute>"``, sorted."""
+    return sorted(f"{n}.{k}" for n, p in model.named_parameters() for k in vars(p) if not k.startswith("_"))
 
 
 def _adamw_step(model) -> None:
@@ -41,27 +42,37 @@ def _adamw_step(model) -> None:
     torch.optim.AdamW(groups, lr=0.1).step()
 
 
-def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
+def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     _, init_device_mesh, fully_shard = fsdp_api()
     mesh = init_device_mesh(device, (world_size,))
-    model, reference = _tagged_model().to(device), _tagged_model()
-    expected = _user_attributes(reference)
+    model = _tagged_model().to(device)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    kept = _user_attributes(model)
+    kept = _attributes(model)
     sum_reduction(model, *model)
     sum_loss(model, rank_batch(rank, device=device)).backward()
     _adamw_step(model)
-    weights = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}  # collective
-    if rank != 0:
-        return {"right": True, "value": ""}
-    backward_every_rank(reference, sum_loss, world_size)
-    _adamw_step(reference)
-    diff = max_diff(weights, dict(reference.named_parameters()))
-    marked = sorted(n for n in expected if expected[n])
-    lost = [n for n in marked if kept[n] != expected[n]]
-    value = (f"{len(marked) - len(lost)} of {len(marked)} marked parameters keep their attributes"
-             + (f" (lost: {', '.join(lost)})" if lost else "")
-             + f"; max relative |weight - reference| after an AdamW step {diff:.1e}")
-    return {"right": not lost and diff <= TOLERANCE, "value": value}
+    return {"params": full_params(model), "values": {"attributes": kept}}
+
+
+def reference(world_size: int) -> dict[str, Any]:
+    model = _tagged_model()
+    attributes = _attributes(model)
+    for rank in range(world_size):
+        (sum_loss(model, rank_batch(rank)) / world_size).backward()
+    _adamw_step(model)
+    return {"params": full_params(model), "values": {"attributes": attributes}}
+
+
+def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:
+    """Right: every attribute set before fully_shard is still there, and the weights after the AdamW
+    step equal the reference's."""
+    params_right, params_text = judge_against_reference(record, reference)
+    marks, kept = reference["values"]["attributes"], record["values"]["attributes"]
+    marked = sorted({mark.rsplit(".", 1)[0] for mark in marks})
+    lost = sorted({mark.rsplit(".", 1)[0] for mark in marks if mark not in kept})
+    text = (f"{len(marked) - len(lost)} of {len(marked)} marked parameters keep their attributes"
+            + (f" (lost: {', '.join(lost)})" if lost else "")
+            + f"; {params_text} after an AdamW step")
+    return params_right and kept == marks, text

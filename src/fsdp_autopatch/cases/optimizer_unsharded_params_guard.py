@@ -1,10 +1,10 @@
-"""``demo --bug optimizer_unsharded_params_guard``: an optimizer built after a no-grad forward."""
+"""optimizer_unsharded_params_guard's case: an optimizer built after a no-grad forward (PyTorch issue 149205)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._common import DIM, fsdp_api, guard_stopped, rank_batch, sum_loss, sum_reduction
+from ._common import DIM, fsdp_api, full_params, judge_against_reference, rank_batch, sum_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = (
@@ -12,6 +12,7 @@ WHAT = (
     "forward, then SGD(model.parameters()) and 3 steps"
 )
 STEPS = 3
+LR = 0.1
 
 
 def _model():
@@ -22,7 +23,7 @@ def _model():
     return nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 4))
 
 
-def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
+def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     _, init_device_mesh, fully_shard = fsdp_api()
@@ -35,15 +36,39 @@ def show(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     head_before = model[2].weight.full_tensor().clone()  # collective
     with torch.no_grad():  # an eval pass
         model(rank_batch(rank, device=device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
-        for _ in range(STEPS):
-            sum_loss(model, rank_batch(rank, device=device)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    except Exception as error:  # the guard's GuardError, raised alike on every rank
-        return guard_stopped(error, "the first step stopped")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):  # with the guard on, the first step raises its GuardError on every rank
+        sum_loss(model, rank_batch(rank, device=device)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
     moved = float((model[2].weight.full_tensor() - head_before).abs().max())  # collective
-    held = sum(1 for g in optimizer.param_groups for p in g["params"] if p is model[2].weight)
-    value = f"after {STEPS} steps the root's head.weight moved by {moved:.1e}"
-    return {"right": moved > 0 and held == 1, "value": value + ("" if held else " (the optimizer holds a stale copy)")}
+    held = any(p is model[2].weight for g in optimizer.param_groups for p in g["params"])
+    values = {"head_moved": moved > 0, "head_moved_by": moved, "optimizer_holds_head": held}
+    return {"params": full_params(model), "values": values}
+
+
+def reference(world_size: int) -> dict[str, Any]:
+    """One process: SGD on the mean of every rank's loss, the optimizer holding the head itself."""
+    import torch
+
+    model = _model()
+    head_before = model[2].weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        for rank in range(world_size):
+            (sum_loss(model, rank_batch(rank)) / world_size).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = float((model[2].weight.detach() - head_before).abs().max())
+    values = {"head_moved": moved > 0, "head_moved_by": moved, "optimizer_holds_head": True}
+    return {"params": full_params(model), "values": values}
+
+
+def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:
+    """Right: the head moved, the optimizer holds it, and the weights equal the reference's."""
+    params_right, params_text = judge_against_reference(record, reference)
+    values = record["values"]
+    text = f"after {STEPS} steps the root's head.weight moved by {values['head_moved_by']:.1e}"
+    if not values["optimizer_holds_head"]:
+        text += " (the optimizer holds a stale copy)"
+    return params_right and values["head_moved"] and values["optimizer_holds_head"], f"{text}; {params_text}"

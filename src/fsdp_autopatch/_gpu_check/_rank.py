@@ -1,6 +1,6 @@
-"""One rank of a ``scripts/gpu_check.py`` launch, run by the throwaway venv's interpreter:
+"""One rank of a ``fsdp-autopatch gpu-check`` launch, run by the interpreter the check runs in:
 
-    <venv>/bin/python scripts/_gpu_check_rank.py --device cuda|cpu --cases a,b,train_eager --out DIR
+    python -m fsdp_autopatch._gpu_check._rank --device cuda|cpu --cases NAME,train_eager,... --out DIR
         [--deadline S] [--pg-timeout S] [--compile-backend NAME] [--cost-json '{...}']
 
 The plugin is whatever that interpreter's ``.pth`` activated when torch's FSDP2 was imported (the
@@ -77,8 +77,10 @@ def _run_case(name: str, func, ctx, results: Results) -> None:
     try:
         entry = dict(func(ctx))
         entry.setdefault("right", False)
-    except Exception as exc:  # the case's outcome: the bug's exception, or ours
-        entry = {"right": False, "error": _error(exc)}
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # the case's outcome: the bug's exception (DCP's CheckpointException is
+        entry = {"right": False, "error": _error(exc)}  # a BaseException), or ours
     if ctx.device.type == "cuda":
         try:
             torch.cuda.synchronize()  # the case's seconds include its GPU work
@@ -123,7 +125,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
     import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401  -- the plugin's hook applies the patches here
 
-    from _gpu_check_net import Ctx
+    from ._net import Ctx
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     results.data["plugin"] = _plugin_state(loaded_before)
@@ -144,13 +146,13 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **options)
     results.data["backend"] = str(dist.get_backend())
     ctx = Ctx(rank, world_size, device, args.compile_backend)
-    from _gpu_check_cases import CASES
-    from _gpu_check_cases_shows import case_for
+    from ._entries import case_for
+    from ._training import CASES
 
     for name in filter(None, args.cases.split(",")):
         _run_case(name, CASES.get(name) or case_for(name), ctx, results)
     if args.cost_json:
-        from _gpu_check_cost import run_cost
+        from ._cost import run_cost
 
         results.at("cost")
         try:

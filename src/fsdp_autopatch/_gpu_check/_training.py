@@ -1,7 +1,8 @@
-"""Rank side of ``scripts/gpu_check.py``: the bug cases of the first four patches and the training
-flavours (eager, per-block ``torch.compile``, CPU offload with pinned memory).
+"""Rank side of ``fsdp-autopatch gpu-check``: the training flavours (eager, per-block ``torch.compile``,
+CPU offload with pinned memory), the first four bugs at once in the MoE model they share. The entries'
+bug cases are their case modules (``_entries.py``).
 
-Every case takes the rank's :class:`_gpu_check_net.Ctx` and returns, on every rank,
+Every flavour takes the rank's :class:`._net.Ctx` and returns, on every rank,
 ``{"right": bool, "value": str}`` (rank 0's verdict is the one reported): what was measured against
 a one-process reference (gradients), ``grad is None`` and unchanged weights for the expert no rank
 used, a falling loss. An exception is the case's outcome (the rank program records it).
@@ -11,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import _gpu_check_net as net
-from _gpu_check_net import Ctx, Micro
+from . import _net as net
+from ._net import Ctx, Micro
 
-UNUSED = "moe.experts.2."  # the expert no rank routes to in cases d and train
+UNUSED = "moe.experts.2."  # the expert no rank routes to
 
 
 def _seed(rank: int, micro: int) -> int:
@@ -24,13 +25,6 @@ def _seed(rank: int, micro: int) -> int:
 def _route_some_unused(ctx: Ctx, rank: int) -> tuple[int, ...]:
     """Rank 0 runs experts 0 and 1, every other rank expert 0 only; nobody runs expert 2."""
     return (0, 1) if rank == 0 else (0,)
-
-
-def _route_all_used(ctx: Ctx, rank: int) -> tuple[int, ...]:
-    """Ranks run different experts and every expert runs somewhere (all three on one rank)."""
-    if ctx.world_size == 1:
-        return (0, 1, 2)
-    return {0: (0, 1), 1: (0, 2)}.get(rank, (0,))
 
 
 def _grads_text(run: dict[str, Any]) -> str:
@@ -51,36 +45,6 @@ def _unused_text(run: dict[str, Any]) -> tuple[bool, str]:
     text = (f"expert 2 (used by no rank): grad {'None' if none_always else 'a tensor (zero)'} after each backward, "
             f"weights {'bitwise unchanged' if unchanged else f'moved by {moved:.1e}'}")
     return none_always and unchanged, text
-
-
-def case_a(ctx: Ctx) -> dict[str, Any]:
-    """accumulated_grad_guard: the tower unit skips the first (text-only) micro-batch."""
-    plan = [[Micro(_seed(r, 0), False, (0,)), Micro(_seed(r, 1), True, (0,))] for r in range(ctx.world_size)]
-    run = net.train(net.shard(net.build(True), ctx), ctx, plan, 1, fill=False, tower=True)
-    return {"right": _grads_right(run), "value": "backward completed; " + _grads_text(run)}
-
-
-def case_b(ctx: Ctx) -> dict[str, Any]:
-    """unused_param_reduction: ranks run different experts, the fill (torch's or the backport) on."""
-    plan = [[Micro(_seed(r, 0), False, _route_all_used(ctx, r))] for r in range(ctx.world_size)]
-    run = net.train(net.shard(net.build(False), ctx), ctx, plan, 1, fill=True)
-    routes = "; ".join(f"rank {r}: experts {list(p[0].experts)}" for r, p in enumerate(plan))
-    return {"right": _grads_right(run), "value": f"{routes}; " + _grads_text(run)}
-
-
-def case_c(ctx: Ctx) -> dict[str, Any]:
-    """uniform_reduce_dtype: expert 1 first used in the last micro-batch (bf16 next to fp32)."""
-    plan = [[Micro(_seed(r, 0), False, (0,)), Micro(_seed(r, 1), False, (0, 1))] for r in range(ctx.world_size)]
-    run = net.train(net.shard(net.build(False), ctx), ctx, plan, 1, fill=False)
-    return {"right": _grads_right(run), "value": "reduce-scatter completed; " + _grads_text(run)}
-
-
-def case_d(ctx: Ctx) -> dict[str, Any]:
-    """restore_unused_param_grads: the fill on, expert 2 used by no rank, two AdamW steps."""
-    plan = [[Micro(_seed(r, 0), False, _route_some_unused(ctx, r))] for r in range(ctx.world_size)]
-    run = net.train(net.shard(net.build(False), ctx), ctx, plan, 2, fill=True)
-    unused_right, unused_text = _unused_text(run)
-    return {"right": unused_right and _grads_right(run), "value": f"{unused_text}; others: " + _grads_text(run)}
 
 
 def _train_flavour(ctx: Ctx, *, compiled: bool = False, offload: bool = False) -> dict[str, Any]:
@@ -126,10 +90,6 @@ def case_train_offload(ctx: Ctx) -> dict[str, Any]:
 
 
 CASES = {
-    "a": case_a,
-    "b": case_b,
-    "c": case_c,
-    "d": case_d,
     "train_eager": case_train_eager,
     "train_compile": case_train_compile,
     "train_offload": case_train_offload,

@@ -1,4 +1,4 @@
-"""Rank side of ``scripts/gpu_check.py``: the small models, data, training loop and one-process
+"""Rank side of ``fsdp-autopatch gpu-check``: the small models, data, training loop and one-process
 references that the bug cases and the training flavours share. Imports torch (rank processes only).
 
 The shape of the MoE network, and which bug each part reaches:

@@ -1,40 +1,26 @@
-"""The orchestration side of ``scripts/gpu_check.py``: the wheel, the throwaway venv that sees the
-machine's torch, the probe of what the venv's interpreter activates, and the rank launches (the
-package's launcher, ``src/fsdp_autopatch/_launch.py``, loaded from the checkout by path).
-Standard library only: nothing here imports torch.
+"""The orchestration side of ``fsdp-autopatch gpu-check``: the probe of what this interpreter
+activates at start-up, and the rank launches (the package's launcher, ``fsdp_autopatch._launch``).
+The ranks are this interpreter too, so they test the plugin as installed here. Standard library
+only: nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Any
 
-import _wheel
+from .. import _launch as launcher
 
-ROOT = Path(__file__).resolve().parent.parent
-RANK_PROGRAM = ROOT / "scripts" / "_gpu_check_rank.py"
-LAUNCHER = ROOT / "src" / "fsdp_autopatch" / "_launch.py"
-PARENT_PTH = "_gpu_check_parent_site.pth"
+RANK_MODULE = f"{__package__}._rank"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the fsdp_autopatch this check runs from
 
 
 class SetupFailed(Exception):
     pass
-
-
-def load_launcher():
-    """``fsdp_autopatch._launch`` from this checkout (standard library only), without the package."""
-    spec = importlib.util.spec_from_file_location("_gpu_check_launch", LAUNCHER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(cmd: list, timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
@@ -48,50 +34,6 @@ def run(cmd: list, timeout: float, env: dict | None = None, cwd=None) -> subproc
         out, _ = proc.communicate()
         raise SetupFailed(f"timed out after {timeout:.0f} s: {' '.join(map(str, cmd))}\n{out[-3000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
-
-
-def build_wheel(out: Path, timeout: float) -> tuple[Path, str]:
-    """The wheel of this checkout, as a release builds it (``python -m build``), else ``pip wheel``
-    (``scripts/_wheel.py``); with how it was built."""
-    try:
-        built = _wheel.build(out, timeout=timeout)
-    except _wheel.WheelBuildFailed as error:
-        raise SetupFailed("could not build the wheel here (no network for the build backend?); build it where you can "
-                          f"(python3 scripts/gpu_check.py --build-wheel DIR) and pass --wheel\n{error}") from None
-    return built.wheel, built.how
-
-
-def _site_dirs() -> list[str]:
-    """Where this interpreter finds its packages (torch among them): its site-packages directories."""
-    dirs = [p for p in sys.path if p and Path(p).is_dir() and Path(p).name in ("site-packages", "dist-packages")]
-    purelib = sysconfig.get_paths()["purelib"]
-    return list(dict.fromkeys([purelib, *dirs]))
-
-
-def make_venv(path: Path, wheel: Path, timeout: float) -> Path:
-    """``python -m venv --system-site-packages`` over this interpreter, the wheel installed into it.
-
-    When this interpreter is itself a venv (the GPU machine's python3 is one), ``--system-site-packages``
-    reaches only the base interpreter's packages, so a ``.pth`` of plain path lines appends this
-    interpreter's site-packages (torch, wrapt, packaging) after the venv's own: the wheel installed in the
-    venv comes first, and no ``.pth`` of those directories runs (an editable fsdp-autopatch there stays out).
-    """
-    if path.exists():
-        shutil.rmtree(path)
-    made = run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", path], timeout)
-    if made.returncode != 0:
-        raise SetupFailed(f"python -m venv failed:\n{made.stdout[-2000:]}")
-    python = path / "bin" / "python"
-    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], 60).stdout.strip())
-    site.mkdir(parents=True, exist_ok=True)
-    if sys.prefix != sys.base_prefix:
-        (site / PARENT_PTH).write_text("".join(f"{d}\n" for d in _site_dirs()))
-    # --ignore-installed: a fsdp-autopatch of the parent environment is neither seen nor uninstalled
-    installed = run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
-                     "--no-compile", "--disable-pip-version-check", wheel], timeout)
-    if installed.returncode != 0:
-        raise SetupFailed(f"pip install of {wheel.name} into the venv failed:\n{installed.stdout[-2000:]}")
-    return python
 
 
 PROBE = r"""
@@ -115,18 +57,20 @@ print(json.dumps({
 """
 
 
-def probe(python: Path, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """What the venv's interpreter has: torch, devices, and the plugin its ``.pth`` activated."""
-    result = run([python, "-c", PROBE], timeout, env=env)
+def probe(env: dict[str, str], timeout: float, cwd: Path) -> dict[str, Any]:
+    """What this interpreter has in a fresh process: torch, devices, and the plugin its ``.pth``
+    activated, which must be the one this check runs from."""
+    result = run([sys.executable, "-c", PROBE], timeout, env=env, cwd=cwd)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
-        raise SetupFailed("the venv's interpreter could not import torch's FSDP2 and the plugin:\n"
-                          + result.stdout[-3000:])
+        raise SetupFailed(f"{sys.executable} could not import torch's FSDP2 and the plugin:\n" + result.stdout[-3000:])
     found = json.loads(lines[-1])
-    venv = str(python.parent.parent.resolve())
-    if not str(Path(found["plugin_file"]).resolve()).startswith(venv) or found["bootstrap"] != "pth":
-        raise SetupFailed(f"the plugin did not auto-activate from the venv's .pth: {found['plugin_file']}, "
-                          f"bootstrap {found['bootstrap']!r}")
+    if Path(found["plugin_file"]).resolve().parent != PACKAGE_DIR:
+        raise SetupFailed(f"a new process imports another fsdp_autopatch ({found['plugin_file']}) than this check "
+                          f"({PACKAGE_DIR}): PYTHONPATH, or the current directory?")
+    if found["bootstrap"] != "pth":
+        raise SetupFailed(f"the plugin did not activate at interpreter start (bootstrap {found['bootstrap']!r}): "
+                          "its .pth file did not run; `fsdp-autopatch doctor` says why")
     return found
 
 
@@ -134,7 +78,6 @@ def child_env(device: str, world_size: int | None = None) -> dict[str, str]:
     """The environment of every child (the launcher adds its own defaults and each launch's variables);
     ``world_size`` None: the GPUs stay as this process sees them (the probe counts them)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_AUTOPATCH_", "VIRTUAL_ENV"))}
-    env["PYTHONPATH"] = ""  # the launcher starts from os.environ: a checkout's src must not shadow the wheel
     if device != "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif world_size is not None:  # the launcher would hide every GPU otherwise
@@ -143,7 +86,7 @@ def child_env(device: str, world_size: int | None = None) -> dict[str, str]:
     return env
 
 
-def launch_ranks(launcher, python: Path, launch, *, device: str, world_size: int, timeout_s: float,
+def launch_ranks(launch, *, device: str, world_size: int, timeout_s: float,
                  pg_timeout_s: float, compile_backend: str, scratch: Path) -> dict[str, Any]:
     """One launch of ``world_size`` ranks; what each rank reported, with exit codes and output tails."""
     logs = scratch / launch.name.replace(" ", "_").replace(":", "")
@@ -151,7 +94,7 @@ def launch_ranks(launcher, python: Path, launch, *, device: str, world_size: int
     extra = ["--cost-json", json.dumps(launch.cost)] if launch.cost else []
 
     def command(rank: int) -> list[str]:
-        return [str(python), str(RANK_PROGRAM), "--device", device, "--cases", ",".join(launch.cases),
+        return [sys.executable, "-m", RANK_MODULE, "--device", device, "--cases", ",".join(launch.cases),
                 "--out", str(logs), "--deadline", str(timeout_s + 10), "--pg-timeout", str(pg_timeout_s),
                 "--compile-backend", compile_backend, *extra]
 

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py``'s verdicts, JSON report and printed table, from what the launches'
+"""``fsdp-autopatch gpu-check``'s verdicts, JSON report and printed table, from what the launches'
 ranks wrote. Standard library only.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from _gpu_check_plan import PATCHES, TRAINING, agrees, strikes
+from ._plan import PATCHES, TRAINING, agrees, strikes
 
 
 def _first_line(text: str, limit: int = 110) -> str:
@@ -59,24 +59,27 @@ UNSUPPORTED_NOTE = ("unsupported on this torch: the plugin leaves torch as it is
 
 
 def patch_rows(launches: dict[str, dict], world_size: int, expected: dict[str, str],
-               statuses: dict[str, str] | None = None) -> dict[str, Any]:
-    """Per patch its case with the plugin on and with that patch off. ``statuses``: the plugin's
-    own record on this torch (the probe's); where a patch is ``unsupported`` its on-run is recorded,
-    not judged (torch is left untouched there)."""
-    rows, statuses = {}, statuses or {}
+               statuses: dict[str, str] | None = None, letters: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per patch its case with the plugin on and with that patch off. ``expected``: per entry what
+    its case shows with its patch off (``--expected``; empty: the off-runs are recorded, not judged);
+    ``letters``: per entry its bug's letter there. ``statuses``: the plugin's own record on this torch
+    (the probe's); where a patch is ``unsupported`` its on-run is recorded, not judged (torch is left
+    untouched there)."""
+    rows, statuses, letters = {}, statuses or {}, letters or {}
     planned = (launches.get("plugin on: bug cases") or {}).get("cases") or []
     for patch in PATCHES:
-        can, ran, why = strikes(patch.bug, world_size)
-        row: dict[str, Any] = {"bug": patch.bug, "case": patch.what, "strikes_at_this_world_size": can,
-                               "note": why, "expected_off": expected.get(patch.bug, "no expectation"),
-                               "kind": patch.kind, "source": "demo --bug show" if patch.show else "gpu check case"}
-        if ran and patch.bug not in planned:
+        can, ran, why = strikes(patch.name, world_size)
+        row: dict[str, Any] = {"bug": letters.get(patch.name, "-"), "case": patch.what,
+                               "strikes_at_this_world_size": can,
+                               "note": why, "expected_off": expected.get(patch.name, "no expectation"),
+                               "kind": patch.kind, "source": f"fsdp_autopatch.cases.{patch.name}"}
+        if ran and patch.name not in planned:
             row["note"] = "not run (not selected with --only)"
         elif ran:
-            row["on"] = outcome(launches.get("plugin on: bug cases"), patch.bug)
+            row["on"] = outcome(launches.get("plugin on: bug cases"), patch.name)
             if statuses.get(patch.name) == "unsupported":
                 row["on"]["judged"], row["note"] = False, UNSUPPORTED_NOTE
-            row["off"] = outcome(launches.get(f"{patch.name} off"), patch.bug)
+            row["off"] = outcome(launches.get(f"{patch.name} off"), patch.name)
             row["bug_seen_off"] = row["off"]["ran"] and not row["off"]["right"]
             row["off_agrees"] = agrees(row["expected_off"], row["bug_seen_off"]) if row["off"]["ran"] else None
         rows[patch.name] = row
@@ -110,7 +113,7 @@ def cost_summary(launch: dict[str, Any] | None) -> dict[str, Any]:
 
 def verdict(report: dict[str, Any]) -> tuple[bool, list[str], list[str]]:
     """(ok, problems, findings): ok when every run case is right with the plugin on and the cost
-    was measured; findings are plugin-off results that differ from tests/expected.py."""
+    was measured; findings are plugin-off results that differ from ``--expected``."""
     problems, findings = [], []
     for name, row in report["patches"].items():
         if "on" in row and not row["on"]["right"] and row["on"].get("judged", True):
@@ -144,7 +147,8 @@ def table(report: dict[str, Any]) -> str:
     m = report["machine"]
     out = [f"fsdp-autopatch GPU check: {report['device']} ({', '.join(m.get('device_names') or ['CPU'])}), "
            f"torch {m.get('torch')}, {report['backend']}, world size {report['world_size']}, "
-           f"{report['seconds']:.0f} s; plugin {report['plugin'].get('version')} from the wheel, bootstrap "
+           f"{report['seconds']:.0f} s; plugin {report['plugin'].get('version')} from "
+           f"{report['plugin'].get('wheel') or report['plugin'].get('file')}, bootstrap "
            f"{report['plugin'].get('bootstrap')}", ""]
     out.append(f"{'patch':<34} {'bug':<3} {'here?':<5} {'plugin on':<10} {'off agrees':<10} "
                "plugin off (that patch's variable =0)")

@@ -1,4 +1,4 @@
-"""Rank side of ``scripts/gpu_check.py``: the step cost of the plugin, off against on, side by side
+"""Rank side of ``fsdp-autopatch gpu-check``: the step cost of the plugin, off against on, side by side
 in one process, alternating blocks of steps (the order flips every round).
 
 The model is ``bench/step_overhead.py``'s MoE stack at a size the caller picks (tens of
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _gpu_check_net import Ctx
+from ._net import Ctx
 
 
 def _model(spec: dict[str, Any], ctx: Ctx, fill: bool):
@@ -150,8 +150,8 @@ class _Probe:
 
 
 def _set_variant(variant: str, case: str, native_fill: bool) -> None:
-    from fsdp_autopatch import _activate, _compat
-    from fsdp_autopatch.patches import PATCH_NAMES as FIXES
+    from .. import _activate, _compat
+    from ..patches import PATCH_NAMES as FIXES
 
     _activate.revert_all()
     if variant == "off":
@@ -176,7 +176,7 @@ def _quartiles(values: list[float]) -> list[float]:
 
 
 def _time_case(ctx: Ctx, spec: dict[str, Any], case: str, native_fill: bool, at) -> dict[str, Any]:
-    from fsdp_autopatch.patches import restore_unused_param_grads as restore
+    from ..patches import restore_unused_param_grads as restore
 
     cuda = ctx.device.type == "cuda"
     model = _model(spec, ctx, fill=case == "fill_on")
@@ -266,7 +266,7 @@ def _time_case(ctx: Ctx, spec: dict[str, Any], case: str, native_fill: bool, at)
 
 
 def run_cost(ctx: Ctx, spec: dict[str, Any], at) -> dict[str, Any]:
-    from fsdp_autopatch.patches import unused_param_reduction
+    from ..patches import unused_param_reduction
 
     native_fill = unused_param_reduction.has_native_api()
     params = spec["blocks"] * (spec["experts"] + 1) * (spec["dim"] + 1) * spec["dim"]

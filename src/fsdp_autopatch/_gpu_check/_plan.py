@@ -1,0 +1,141 @@
+"""What ``fsdp-autopatch gpu-check`` runs: per entry its bug case and where that bug can strike, the
+launches (which patches each disables, which cases it runs), and, where ``--expected`` names a
+``tests/expected.py``, its expectations for the torch found. Standard library only.
+Every fix and guard of the catalogue with a case module (``fsdp_autopatch.cases.<entry>``, of the
+plugin as installed) is in the check: its model is written once there, so an entry added with its
+case is in the GPU check with no line here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import _catalogue, cases
+
+CASES_DIR = Path(cases.__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class PatchCase:
+    name: str
+    what: str  # the case, in a few words (its WHAT)
+    kind: str = "fix"  # the catalogue's kind: fix or guard
+
+
+def _case_what(path: Path) -> str:
+    """A case module's ``WHAT`` (read, not imported: the module imports the package)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "WHAT" for t in node.targets):
+            return " ".join(str(ast.literal_eval(node.value)).split())
+    return "its case"
+
+
+def _cases() -> tuple[PatchCase, ...]:
+    """The catalogue's fixes and guards that have a case module, in catalogue order."""
+    return tuple(PatchCase(entry.name, _case_what(CASES_DIR / f"{entry.name}.py"), entry.kind)
+                 for entry in _catalogue.ENTRIES if entry.kind != _catalogue.POLICY and entry.name in cases.NAMES)
+
+
+PATCHES = _cases()
+BY_NAME = {p.name: p for p in PATCHES}
+
+
+def load_expected(path: Path) -> Any:
+    """A ``tests/expected.py`` (standard library only) as a module."""
+    spec = importlib.util.spec_from_file_location("_gpu_check_expected", path)
+    if spec is None or spec.loader is None:
+        raise OSError(f"cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def expected_off(expected: Any, torch_version: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(per entry its bug letter, per entry what ``expected`` says its case shows with its patch
+    off on this torch); both empty without ``expected``."""
+    if expected is None or not torch_version:
+        return {}, {}
+    letters = dict(expected.BUG_OF)
+    outcome = expected.unpatched_outcome(expected.release_of(torch_version))
+    return letters, {name: outcome[letter] for name, letter in letters.items() if letter in outcome}
+
+
+TRAINING = {  # flavour -> what it adds to the training case (the first four bugs at once)
+    "train_eager": "eager",
+    "train_compile": "per-block torch.compile",
+    "train_offload": "CPUOffloadPolicy(pin_memory=True)",
+}
+
+
+def strikes(name: str, world_size: int) -> tuple[bool, bool, str]:
+    """(can entry ``name``'s bug strike at this world size, is its case run, why not / what instead)."""
+    if name == "unused_param_reduction" and world_size < 2:
+        return (False, True, "one rank issues the only reduce-scatter, so ranks cannot disagree; run instead: "
+                "the fill's method exists (torch's from 2.13, the backport before) and gives the right gradients")
+    if name == "post_forward_mesh_cache" and (world_size < 4 or world_size % 2):
+        return (False, False, f"needs 1 < reshard_after_forward < shard size, i.e. an even mesh of 4 or more "
+                f"ranks (k=2), not {world_size}: not run")
+    if name == "restore_unused_param_grads" and world_size < 2:
+        return (True, True, "strikes (the fill zero-fills at any size); at one rank the usage flags have no peer, "
+                "so the flag all-reduce and its host sync do not run (see the cost's on_forced_sync)")
+    return True, True, ""
+
+
+def agrees(expected: str, bug_seen: bool) -> bool | None:
+    """Whether an off-run agrees with its expectation; None where there is none to agree with."""
+    if expected.startswith("reproduces"):
+        return bug_seen
+    if expected.startswith("correct"):
+        return not bug_seen
+    return None
+
+
+def variable(name: str) -> str:
+    return _catalogue.toggle_for(name)
+
+
+@dataclass
+class Launch:
+    name: str
+    cases: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    kind: str = "bugs"  # bugs, training or cost: picks its timeout
+    cost: dict | None = None
+    solo: bool = False  # run with nothing else on the machine (timings)
+
+
+def plan(device: str, world_size: int, cost_spec: dict, only: list[str] | None = None) -> list[Launch]:
+    """The launches, in the order they run: the patched bug cases, each bug with its patch off, the
+    training flavours on and off, the step cost."""
+    run = [p for p in PATCHES if strikes(p.name, world_size)[1] and (not only or p.name in only)]
+    flavours = [f for f in TRAINING if device == "cuda" or f != "train_offload"]
+    launches = [Launch("plugin on: bug cases", [p.name for p in run])]
+    launches += [Launch(f"{p.name} off", [p.name], {variable(p.name): "0"}) for p in run]
+    if not only:
+        launches.append(Launch("plugin on: training", flavours, kind="training"))
+        launches.append(Launch("plugin off: training", flavours, {"FSDP_AUTOPATCH_ENABLED": "0"}, kind="training"))
+        launches.append(Launch("step cost", [], kind="cost", cost=cost_spec, solo=True))
+    return launches
+
+
+COST_SPECS = {
+    # one H200: ~170 M parameters, 16k tokens a micro-batch: tens of ms per step
+    "cuda": {"dim": 2048, "tokens": 16384, "blocks": 8, "experts": 4, "rounds": 10, "steps": 5},
+    # the CI check of the command itself: as small as still runs every variant
+    "cpu": {"dim": 32, "tokens": 16, "blocks": 2, "experts": 4, "rounds": 2, "steps": 2},
+}
+TIMEOUTS = {  # outer timeout of one launch (s), by kind and device; the overall guard caps each
+    "cuda": {"bugs": 150, "training": 300, "cost": 240},
+    "cpu": {"bugs": 90, "training": 150, "cost": 120},
+}
+PG_TIMEOUT_S = {"cuda": 60, "cpu": 30}
+COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}
+COMPILE_NOTE = {
+    "cuda": "inductor (torch.compile's default)",
+    "cpu": "aot_eager on CPU: AOTAutograd traces forward and backward as inductor's input, without "
+           "inductor's C++ code generation (minutes on this 2-core machine); inductor itself is what runs on CUDA",
+}
