@@ -39,6 +39,28 @@ def sum_loss(model, batch):
     return model(batch).pow(2).sum()
 
 
+def experts(count: int):
+    """A module of ``count`` Linear experts; ``forward(x, used)`` sums the experts in ``used``."""
+    import torch
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(count))
+
+        def forward(self, x, used: tuple[int, ...]):
+            return sum(self.experts[e](x) for e in used)
+
+    torch.manual_seed(0)
+    return Experts()
+
+
+def routed_loss(model, batch, rank: int):
+    """Rank r routes its batch to expert ``r % 2`` only: ranks use different parameters of the unit."""
+    return model(batch, used=(rank % 2,)).pow(2).sum()
+
+
 def listed(tensors: dict[str, Any]) -> dict[str, Any]:
     """``{name: tensor}`` as a JSON value: fp32 nested lists, read on the CPU."""
     return {name: t.detach().float().cpu().tolist() for name, t in tensors.items()}
@@ -64,6 +86,20 @@ def one_process_grads(build: Callable[[], Any], loss_of: Callable, world_size: i
     for rank in range(world_size):
         (loss_of(model, rank_batch(rank)) / world_size).backward()
     return full_grads(model)
+
+
+def sgd_steps(model, steps: int, lr: float, world_size: int) -> Any:
+    """One process: ``steps`` SGD steps on the mean of every rank's :func:`sum_loss` (what FSDP2 with
+    a sum-then-divide reduction trains to); returns ``model``."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        for rank in range(world_size):
+            (sum_loss(model, rank_batch(rank)) / world_size).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
 
 
 def max_diff(got: dict[str, Any], ref: dict[str, Any]) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import DIM, fsdp_api, full_params, judge_against_reference, rank_batch, sum_loss
+from ._common import DIM, fsdp_api, full_params, judge_against_reference, rank_batch, sgd_steps, sum_loss
 
 WORLD_SIZE = 2
 WHAT = (
@@ -47,16 +47,9 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
 
 def reference(world_size: int) -> dict[str, Any]:
     """One process, eager: SGD on the mean of every rank's loss (what eager FSDP2 trains to)."""
-    import torch
-
     model = _model()
     before = model[0].weight.detach().clone()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(STEPS):
-        for rank in range(world_size):
-            (sum_loss(model, rank_batch(rank)) / world_size).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    sgd_steps(model, STEPS, LR, world_size)
     moved = float((model[0].weight.detach() - before).abs().max())
     return {"params": full_params(model), "values": {"first_weight_moved": moved > 0, "first_weight_moved_by": moved}}
 

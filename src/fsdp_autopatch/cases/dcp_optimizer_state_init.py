@@ -61,7 +61,7 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(fresh, fresh_optim)  # the template a fresh optimizer gives
         try:
             dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder[0])
-        except CheckpointException as error:  # a BaseException, which run_case does not record
+        except CheckpointException as error:  # its message is every rank's traceback: the record keeps
             failure = error.failures[min(error.failures)][0]  # what the first failing rank raised
             raise failure if isinstance(failure, Exception) else RuntimeError(str(error)) from error
         step = float(optim_sd["state"]["spare.weight"]["step"])

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import DIM, fsdp_api, full_params, judge_against_reference, rank_batch, sum_loss, sum_reduction
+from ._common import (
+    DIM,
+    fsdp_api,
+    full_params,
+    judge_against_reference,
+    rank_batch,
+    sgd_steps,
+    sum_loss,
+    sum_reduction,
+)
 
 WORLD_SIZE = 2
 WHAT = (
@@ -49,16 +58,9 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
 
 def reference(world_size: int) -> dict[str, Any]:
     """One process: SGD on the mean of every rank's loss, the optimizer holding the head itself."""
-    import torch
-
     model = _model()
     head_before = model[2].weight.detach().clone()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(STEPS):
-        for rank in range(world_size):
-            (sum_loss(model, rank_batch(rank)) / world_size).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    sgd_steps(model, STEPS, LR, world_size)
     moved = float((model[2].weight.detach() - head_before).abs().max())
     values = {"head_moved": moved > 0, "head_moved_by": moved, "optimizer_holds_head": True}
     return {"params": full_params(model), "values": values}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import DIM, fsdp_api, full_grads, judge_against_reference, rank_batch, sum_reduction
+from ._common import experts, fsdp_api, full_grads, judge_against_reference, rank_batch, routed_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = (
@@ -17,23 +17,7 @@ UNUSED = "experts.2."  # the expert no rank runs
 
 
 def _model():
-    import torch
-    from torch import nn
-
-    class Experts(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
-
-        def forward(self, x, used: tuple[int, ...]):
-            return sum(self.experts[e](x) for e in used)
-
-    torch.manual_seed(0)
-    return Experts()
-
-
-def _loss(model, batch, rank: int):
-    return model(batch, used=(rank % 2,)).pow(2).sum()  # rank r routes to expert r; nobody to expert 2
+    return experts(3)
 
 
 def _unused_full(model) -> dict[str, Any]:
@@ -51,7 +35,7 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     model.set_reduce_scatter_unused_params(True)  # the fill: ranks run different experts
     sum_reduction(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    _loss(model, rank_batch(rank, device=device), rank).backward()
+    routed_loss(model, rank_batch(rank, device=device), rank).backward()
     grad_is_none = all(p.grad is None for n, p in model.named_parameters() if n.startswith(UNUSED))
     grads = {n: g for n, g in full_grads(model).items() if not n.startswith(UNUSED)}  # the used experts'
     before = _unused_full(model)
@@ -69,7 +53,7 @@ def _reference_grads(world_size: int) -> dict[str, Any]:
     """One process: the mean of every rank's loss, each rank with its own expert."""
     model = _model()
     for rank in range(world_size):
-        (_loss(model, rank_batch(rank), rank) / world_size).backward()
+        (routed_loss(model, rank_batch(rank), rank) / world_size).backward()
     return full_grads(model)
 
 

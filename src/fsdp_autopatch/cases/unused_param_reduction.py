@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import DIM, fsdp_api, full_grads, rank_batch, sum_reduction
+from ._common import experts, fsdp_api, full_grads, rank_batch, routed_loss, sum_reduction
 
 WORLD_SIZE = 2
 WHAT = (
@@ -15,23 +15,7 @@ WHAT = (
 
 
 def _model():
-    import torch
-    from torch import nn
-
-    class Experts(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
-
-        def forward(self, x, used: tuple[int, ...]):
-            return sum(self.experts[e](x) for e in used)
-
-    torch.manual_seed(0)
-    return Experts()
-
-
-def _loss(model, batch, rank: int):
-    return model(batch, used=(rank % 2,)).pow(2).sum()  # rank r routes to expert r only
+    return experts(2)
 
 
 def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
@@ -41,12 +25,12 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     model.set_reduce_scatter_unused_params(True)  # before torch 2.13: the backport's, or AttributeError
     sum_reduction(model)
-    _loss(model, rank_batch(rank, device=device), rank).backward()
+    routed_loss(model, rank_batch(rank, device=device), rank).backward()
     return {"grads": full_grads(model)}
 
 
 def reference(world_size: int) -> dict[str, Any]:
     model = _model()  # one process: the mean of every rank's loss, each rank with its own expert
     for rank in range(world_size):
-        (_loss(model, rank_batch(rank), rank) / world_size).backward()
+        (routed_loss(model, rank_batch(rank), rank) / world_size).backward()
     return {"grads": full_grads(model)}
