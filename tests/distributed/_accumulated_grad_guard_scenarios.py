@@ -12,7 +12,7 @@ from _dist_common import Ctx, _mp_policy, _run_step, build_model, grads_full, gr
 from _registry import scenario
 
 
-@scenario("grad_guard")
+@scenario("accumulated_grad_guard")
 def sc_grad_guard(ctx: Ctx) -> None:
     """Vision tower skipped by text-only micro-batches, bf16/fp32 MP, accumulation."""
     from torch.distributed.fsdp import fully_shard

@@ -1,6 +1,6 @@
 """clip_grad_norm_multi_mesh scenarios (PyTorch issue 180346): gradient clipping over several meshes.
 
-Scenario ``clip_multi_mesh`` (``run_ranks("clip_multi_mesh")``, 2 gloo ranks; see ``_registry``). The
+Scenario ``clip_multi_mesh`` (``run_ranks("clip_grad_norm_multi_mesh")``, 2 gloo ranks; see ``_registry``). The
 test imports this module for the model, the data and the one-process reference.
 
 Model: ``dense = Linear(8, 8)`` and ``experts = Linear(8, 8, bias=False)`` (an expert weight), and
@@ -156,7 +156,7 @@ def clip(ctx: sc.Ctx, model: Model, case: str) -> torch.Tensor:
     return total
 
 
-@scenario("clip_multi_mesh")
+@scenario("clip_grad_norm_multi_mesh")
 def sc_clip_multi_mesh(ctx: sc.Ctx) -> None:
     """args["cases"]: each on the model of its layout (built once per layout, fresh gradients per
     case); a case that raises is recorded and the next one runs (both ranks raise alike)."""

@@ -101,7 +101,7 @@ def _train(ctx: Ctx, rec: dict, case: str) -> None:
     rec["weights"] = {name: param.to_local().detach().clone() for name, param in sharded.items()}
 
 
-@scenario("compiled_autograd")
+@scenario("compiled_autograd_guard")
 def sc_compiled_autograd(ctx: Ctx) -> None:
     reason = compile_unavailable()
     ctx.data["compile_unavailable"] = reason

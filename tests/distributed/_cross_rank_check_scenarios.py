@@ -30,7 +30,7 @@ def count_cross_rank_checks() -> list[int]:
     return calls
 
 
-@scenario("cross_rank")
+@scenario("cross_rank_check")
 def sc_cross_rank(ctx: Ctx) -> None:
     """Two models on the same process group, two steps each: the check runs once per group.
 
@@ -52,7 +52,7 @@ def sc_cross_rank(ctx: Ctx) -> None:
             rec["grads"] = grads_local(model)
 
 
-@scenario("cross_rank_after_revert")
+@scenario("cross_rank_check:after_revert")
 def sc_cross_rank_after_revert(ctx: Ctx) -> None:
     """First model: the check compares (round 0). Then, on every rank alike, ``revert_all()``,
     ``keep_param_attributes`` off, ``activate()``: the second model's check must compare the new

@@ -125,7 +125,7 @@ def _run_case(ctx: Ctx, case: str, rec: dict) -> None:
     rec["fired"] = _fired() - fired_before
 
 
-@scenario("dcp_resume")
+@scenario("dcp_optimizer_state_init")
 def sc_dcp_resume(ctx: Ctx) -> None:
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (the module the fix waits for)
 

@@ -80,7 +80,7 @@ def _facts(model: nn.Module) -> dict[str, object]:
     }
 
 
-@scenario("abc_layout")
+@scenario("fsdp_module_abc_layout")
 def sc_abc_layout(ctx: Ctx) -> None:
     from torch.distributed.fsdp import fully_shard
 

@@ -77,7 +77,7 @@ def _shard(model: nn.Module, mesh, force_sum: bool, reduce_dtype) -> None:
                 unit.set_force_sum_reduction_for_comms(True)
 
 
-@scenario("divide_factor_single_rank")
+@scenario("gradient_divide_factor_single_rank")
 def sc_divide_factor_single_rank(ctx: Ctx) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -1,6 +1,6 @@
 """grouped_module_reuse scenarios (PyTorch issue 183702): a grouped unit's module called again.
 
-Scenario ``grouped_reuse`` (``run_ranks("grouped_reuse")``, 2 gloo ranks; ``_rank`` makes the 30 s
+Scenario ``grouped_reuse`` (``run_ranks("grouped_module_reuse")``, 2 gloo ranks; ``_rank`` makes the 30 s
 process group and the gloo-AVG workaround of torch 2.8), and the one-process worlds
 ``reuse_threaded`` and ``reuse_fake`` (``world_size=1``, ``gloo=False``). The test imports this
 module for the model, the losses and the one-process reference.
@@ -215,7 +215,7 @@ def run_case(ctx: sc.Ctx, case: str, counts: dict[str, int], rec: dict[str, Any]
     rec["counts"] = dict(counts)
 
 
-@scenario("grouped_reuse")
+@scenario("grouped_module_reuse")
 def sc_grouped_reuse(ctx: sc.Ctx) -> None:
     """args["cases"]: the cases to run, in order, each on a fresh model; a case that raises is
     recorded and the next one runs (both ranks raise alike: nothing waits in a collective)."""
@@ -259,7 +259,7 @@ def train_thread_rank(lock: threading.Lock) -> dict[str, Any]:
     return out
 
 
-@scenario("reuse_threaded", gloo=False)
+@scenario("grouped_module_reuse:threaded", gloo=False)
 def sc_reuse_threaded(ctx: sc.Ctx) -> None:
     """``mtp/1`` on 2 thread ranks (PyTorch's ``spawn_threads_and_init_comms``)."""
     import io
@@ -289,7 +289,7 @@ def sc_reuse_threaded(ctx: sc.Ctx) -> None:
         rec["fired_after"] = _fired()
 
 
-@scenario("reuse_fake", gloo=False)
+@scenario("grouped_module_reuse:fake", gloo=False)
 def sc_reuse_fake(ctx: sc.Ctx) -> None:
     """``mtp/1``, one step, rank 0 of the fake backend: with the patch, then with it reverted."""
     import torch.distributed as dist

@@ -112,7 +112,7 @@ def run_sequence(ctx: sc.Ctx, rec: dict[str, Any], config: str, mode: str, train
     rec["fired_after"] = _fired()
 
 
-@scenario("inference_first_forward")
+@scenario("inference_mode_first_forward")
 def sc_inference_first_forward(ctx: sc.Ctx) -> None:
     for case in CASES:
         with ctx.case(case, continue_on_error=True) as rec:

@@ -112,7 +112,7 @@ def _fired() -> int:
     return records.get("inplace_view_output", {}).get("fired", 0)
 
 
-@scenario("inplace_view")
+@scenario("inplace_view_output")
 def sc_inplace_view(ctx: sc.Ctx) -> None:
     from torch.distributed.fsdp import fully_shard
 

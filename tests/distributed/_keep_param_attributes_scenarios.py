@@ -1,6 +1,6 @@
 """2-rank scenario for keep_param_attributes: user attributes on parameters across ``fully_shard``.
 
-Scenario ``keep_attrs`` (``run_ranks("keep_attrs")``; ``_rank`` makes gloo, the CPU mesh and the
+Scenario ``keep_attrs`` (``run_ranks("keep_param_attributes")``; ``_rank`` makes gloo, the CPU mesh and the
 gloo-AVG workaround of torch 2.8). The tests import this module for the model, the marks and the rules.
 
 Model ``AttrsNet``: ``inp = Linear(8, 8)`` (its own unit), ``proj = Linear(8, 8)`` (the root unit,
@@ -181,7 +181,7 @@ def case_attrs(ctx: sc.Ctx, name: str, **shard_kwargs: Any) -> None:
         stages["changed"] = snapshot(model)
 
 
-@scenario("keep_attrs")
+@scenario("keep_param_attributes")
 def sc_keep_attrs(ctx: sc.Ctx) -> None:
     """``default``: the units as above; ``cpu_offload``: the same with ``CPUOffloadPolicy``."""
     from torch.distributed.fsdp import CPUOffloadPolicy

@@ -88,7 +88,7 @@ def _case(ctx: Ctx, case: str) -> None:
         rec["final"] = full_weights(model)
 
 
-@scenario("optimizer_unsharded")
+@scenario("optimizer_unsharded_params_guard")
 def sc_optimizer_unsharded(ctx: Ctx) -> None:
     for case in CASES:
         _case(ctx, case)

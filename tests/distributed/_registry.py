@@ -12,8 +12,12 @@ To add a new patch's scenarios, add ONE module to this folder, named ``_<patch>_
     @scenario("my_patch")            # the gloo world and a 1-D CPU mesh (ctx.mesh) are made first
     def sc_my_patch(ctx): ...
 
-    @scenario("my_patch_fake", gloo=False)  # a world in one process: the scenario makes its own
+    @scenario("my_patch:fake", gloo=False)  # a world in one process: the scenario makes its own
     def sc_my_patch_fake(ctx): ...
+
+A patch's scenarios are named after it: ``<patch>``, and ``<patch>:<variant>`` for more than one.
+Its smallest training is not here but in its case (``fsdp_autopatch.cases.<patch>``), which
+``test_dist_cases.py`` runs with the patch off and on; a patch's scenarios are its variants.
 
 Nothing else is edited: no list, no ``__main__``, no ``script=``. ``find(name)`` looks for
 ``@scenario("<name>")`` in every ``_*_scenarios.py`` of this folder (read with ``ast``, not

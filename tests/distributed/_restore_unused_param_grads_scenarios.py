@@ -36,7 +36,7 @@ import _dist_common as sc
 from _registry import scenario
 
 
-@scenario("restore_unused")
+@scenario("restore_unused_param_grads")
 def sc_restore_unused(ctx: sc.Ctx) -> None:
     """Fill on, AdamW(weight_decay>0); warm-up step, then expert 2 used by no rank."""
     from torch.distributed.fsdp import fully_shard
@@ -65,7 +65,7 @@ def sc_restore_unused(ctx: sc.Ctx) -> None:
         rec["steps_after"] = sc.adam_steps(model, opt)
 
 
-@scenario("restore_hsdp_window")
+@scenario("restore_unused_param_grads:hsdp_window")
 def sc_restore_hsdp_window(ctx: sc.Ctx) -> None:
     """HSDP mesh (2 replicas x 1 shard), fill on, all-reduce deferred on the first micro-batch.
 
@@ -112,7 +112,7 @@ def count_restore_all_reduces() -> list[int]:
     return calls
 
 
-@scenario("restore_collectives")
+@scenario("restore_unused_param_grads:collectives")
 def sc_restore_collectives(ctx: sc.Ctx) -> None:
     """How many all-reduces restore_unused_param_grads adds per backward, and of what size.
 
@@ -283,7 +283,7 @@ def micro_batches_of(path: str) -> int:
     return MICRO_BATCHES if path in ("manual_no_sync_window", "pipelining") else 1
 
 
-@scenario("finalization")
+@scenario("restore_unused_param_grads:finalization")
 def sc_finalization(ctx: sc.Ctx) -> None:
     """Each path x model: two steps, gradients and probes after each finalized backward."""
     calls = count_restore_all_reduces()

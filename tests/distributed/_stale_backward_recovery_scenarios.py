@@ -164,7 +164,7 @@ def _run_case(ctx: Ctx, case: str, rec: dict) -> None:
     rec["fired"] = _fired() - fired_before
 
 
-@scenario("stale_backward")
+@scenario("stale_backward_recovery")
 def sc_stale_backward(ctx: Ctx) -> None:
     for case in (*FAILED, *HEALTHY):
         if case in MANUAL and not has_manual_finalization():

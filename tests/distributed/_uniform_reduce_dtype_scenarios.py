@@ -20,7 +20,7 @@ from _dist_common import (
 from _registry import scenario
 
 
-@scenario("uniform_dtype")
+@scenario("uniform_reduce_dtype")
 def sc_uniform_dtype(ctx: Ctx) -> None:
     """bf16 params, fp32 reduce, accumulation; mixed gradient dtypes at the reduce.
 

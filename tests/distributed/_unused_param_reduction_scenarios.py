@@ -23,7 +23,7 @@ from _dist_common import (
 from _registry import scenario
 
 
-@scenario("expert_routing")
+@scenario("unused_param_reduction")
 def sc_expert_routing(ctx: Ctx) -> None:
     """Rank r uses expert r inside one FSDP unit; expert 2 both ranks, expert 3 none (fp32).
 

@@ -21,7 +21,7 @@ TOWER = ("tower.0.weight", "tower.0.bias", "tower.2.weight", "tower.2.bias")
 MESSAGE = "'FSDPParam' object has no attribute '_unsharded_param'"
 
 
-unpatched, patched = ck.off_and_on("grad_guard", PATCH)
+unpatched, patched = ck.off_and_on("accumulated_grad_guard", PATCH)
 
 
 def _crashed(run) -> bool:

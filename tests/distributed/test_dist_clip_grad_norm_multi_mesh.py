@@ -55,13 +55,13 @@ STACK_FAILS = tuple(c for c in MULTI if c.split("/")[1] in ("clip", "split") and
 @pytest.fixture(scope="module")
 def unpatched():
     env = {ck.ENV[PATCH]: "0"}
-    return run_ranks("clip_multi_mesh", args={"cases": list(CASES)}, env=env, timeout=LAUNCH_TIMEOUT_S)
+    return run_ranks("clip_grad_norm_multi_mesh", args={"cases": list(CASES)}, env=env, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def patched():
     args = {"cases": list(CASES), "identity": True}
-    return run_ranks("clip_multi_mesh", args=args, timeout=LAUNCH_TIMEOUT_S)
+    return run_ranks("clip_grad_norm_multi_mesh", args=args, timeout=LAUNCH_TIMEOUT_S)
 
 
 def _records(run, case: str) -> list[dict]:

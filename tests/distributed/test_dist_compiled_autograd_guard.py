@@ -42,7 +42,7 @@ DRIFT_MIN = 1e-2  # measured on 2.13: the first layer 2.5e-02 off eager FSDP2 af
 
 
 def _run(env: dict[str, str]) -> RunResult:
-    run = run_ranks("compiled_autograd", env=env, timeout=TIMEOUT_S)
+    run = run_ranks("compiled_autograd_guard", env=env, timeout=TIMEOUT_S)
     reason = next((r.data.get("compile_unavailable") for r in run.ranks if r.data), None)
     if reason:
         pytest.skip(f"torch.compile is unavailable here: {reason}")

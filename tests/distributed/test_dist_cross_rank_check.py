@@ -19,18 +19,18 @@ SHORT_PG_TIMEOUT = "10"  # the silent-rank case waits for the store's (= the gro
 
 @pytest.fixture(scope="module")
 def consistent():
-    return run_ranks("cross_rank")
+    return run_ranks("cross_rank_check")
 
 
 @pytest.fixture(scope="module")
 def one_patch_off_on_rank_1():
-    return run_ranks("cross_rank", rank_env={1: {ck.ENV["restore_unused_param_grads"]: "0"}})
+    return run_ranks("cross_rank_check", rank_env={1: {ck.ENV["restore_unused_param_grads"]: "0"}})
 
 
 @pytest.fixture(scope="module")
 def plugin_off_on_rank_1():
     return run_ranks(
-        "cross_rank",
+        "cross_rank_check",
         env={"FSDP_DIST_PG_TIMEOUT_S": SHORT_PG_TIMEOUT},
         rank_env={1: {"FSDP_AUTOPATCH_ENABLED": "0"}},
     )
@@ -39,7 +39,7 @@ def plugin_off_on_rank_1():
 @pytest.fixture(scope="module")
 def check_off():
     return run_ranks(
-        "cross_rank",
+        "cross_rank_check",
         env={"FSDP_AUTOPATCH_CROSS_RANK_CHECK": "0"},
         rank_env={1: {ck.ENV["restore_unused_param_grads"]: "0"}},
     )
@@ -94,7 +94,7 @@ def test_check_switched_off_costs_nothing(check_off):
 def test_a_check_after_revert_and_activate_compares_fresh_fingerprints():
     """Reverting and activating again on every rank (another patch off) starts a new comparison:
     the store still holds the first round's keys, which must not end the second round's wait."""
-    run = run_ranks("cross_rank_after_revert")
+    run = run_ranks("cross_rank_check:after_revert")
     run.assert_clean()
     for rank in run.ranks:
         assert rank.cases["first_model"]["checks"] == 1

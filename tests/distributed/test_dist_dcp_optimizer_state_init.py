@@ -30,12 +30,12 @@ RESUMES = ("fill_resume", "no_grad_resume")
 @pytest.fixture(scope="module")
 def unpatched(tmp_path_factory) -> RunResult:
     folder = tmp_path_factory.mktemp("dcp_off")
-    return run_ranks("dcp_resume", args={"dir": str(folder)}, env={ck.ENV[PATCH]: "0"})
+    return run_ranks("dcp_optimizer_state_init", args={"dir": str(folder)}, env={ck.ENV[PATCH]: "0"})
 
 
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory) -> RunResult:
-    return run_ranks("dcp_resume", args={"dir": str(tmp_path_factory.mktemp("dcp_on"))})
+    return run_ranks("dcp_optimizer_state_init", args={"dir": str(tmp_path_factory.mktemp("dcp_on"))})
 
 
 def _max_diff(rec: dict) -> float:

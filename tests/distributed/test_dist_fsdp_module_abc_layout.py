@@ -29,7 +29,7 @@ CASES = {"default": False, "bf16": True}  # case -> bf16 tolerance
 MESSAGE = "__class__ assignment: 'FSDPTanhBlock' object layout differs from 'TanhBlock'"
 
 
-unpatched, patched = ck.off_and_on("abc_layout", PATCH)
+unpatched, patched = ck.off_and_on("fsdp_module_abc_layout", PATCH)
 
 
 def reference_grads() -> dict[str, torch.Tensor]:

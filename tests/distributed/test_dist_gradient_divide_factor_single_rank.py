@@ -40,7 +40,7 @@ def _skip_without_the_dividing_copy(case: str) -> None:
         pytest.skip(f"{case}: torch {torch.__version__} has no dividing one-rank copy")
 
 
-unpatched, patched = ck.off_and_on("divide_factor_single_rank", PATCH)
+unpatched, patched = ck.off_and_on("gradient_divide_factor_single_rank", PATCH)
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,13 @@ APPLIED = ck.EXPECTED_STATUS[PATCH] == "applied"
 @pytest.fixture(scope="module")
 def unpatched():
     return run_ranks(
-        "grouped_reuse", args={"cases": list(CASES)}, env={ck.ENV[PATCH]: "0"}, timeout=LAUNCH_TIMEOUT_S
+        "grouped_module_reuse", args={"cases": list(CASES)}, env={ck.ENV[PATCH]: "0"}, timeout=LAUNCH_TIMEOUT_S
     )
 
 
 @pytest.fixture(scope="module")
 def patched():
-    return run_ranks("grouped_reuse", args={"cases": list(CASES)}, timeout=LAUNCH_TIMEOUT_S)
+    return run_ranks("grouped_module_reuse", args={"cases": list(CASES)}, timeout=LAUNCH_TIMEOUT_S)
 
 
 def _error(run, case: str, rank: int = 0):
@@ -171,14 +171,14 @@ def test_patched_run_clean(patched):
 def threaded():
     if importlib.util.find_spec("expecttest") is None:
         pytest.skip("torch.testing._internal.common_distributed needs expecttest (the [test] extra)")
-    run = run_ranks("reuse_threaded", world_size=1, timeout=LAUNCH_TIMEOUT_S)
+    run = run_ranks("grouped_module_reuse:threaded", world_size=1, timeout=LAUNCH_TIMEOUT_S)
     run.assert_clean()
     return run[0].cases["threaded"]
 
 
 @pytest.fixture(scope="module")
 def fake():
-    run = run_ranks("reuse_fake", world_size=1, timeout=LAUNCH_TIMEOUT_S)
+    run = run_ranks("grouped_module_reuse:fake", world_size=1, timeout=LAUNCH_TIMEOUT_S)
     run.assert_clean()
     return run[0].cases
 

@@ -33,7 +33,7 @@ COUNTER = "Inference tensors do not track version counter"  # the one-rank copy 
 PARAMS_PER_MODEL = 4  # inp.weight, inp.bias, out.weight, out.bias
 
 
-unpatched, patched = ck.off_and_on("inference_first_forward", PATCH)
+unpatched, patched = ck.off_and_on("inference_mode_first_forward", PATCH)
 
 
 def _torch_error(error: dict | None) -> str | None:

@@ -34,7 +34,7 @@ MESSAGE_END = "out of bounds for storage of size 0"
 AC_MESSAGE = "aten.mm.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor"
 
 
-unpatched, patched = ck.off_and_on("inplace_view", PATCH)
+unpatched, patched = ck.off_and_on("inplace_view_output", PATCH)
 
 
 def reference_grads(case: str) -> dict[str, torch.Tensor]:

@@ -39,7 +39,7 @@ MIN_UNPATCHED_DIFF = 0.01  # AdamW's decoupled decay lr * 0.5 * |p| on wrongly d
 STRICT_ERROR = "AttributeError: 'DTensor' object has no attribute 'no_weight_decay'"
 
 
-unpatched, patched = ck.off_and_on("keep_attrs", PATCH, timeout=LAUNCH_TIMEOUT_S)
+unpatched, patched = ck.off_and_on("keep_param_attributes", PATCH, timeout=LAUNCH_TIMEOUT_S)
 
 
 def case_records(run: RunResult, case: str) -> list[dict]:

@@ -34,7 +34,7 @@ ERRORS = {
 }
 
 
-unpatched, patched = ck.off_and_on("mesh_cache", PATCH, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
+unpatched, patched = ck.off_and_on("post_forward_mesh_cache", PATCH, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
 
 
 def records(run: RunResult, case: str) -> list[dict]:

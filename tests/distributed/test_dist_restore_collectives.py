@@ -15,7 +15,7 @@ PARAMS_PER_UNIT = {"blocks.0": 2, "blocks.1": 2, "root": 2}
 
 @pytest.fixture(scope="module")
 def run():
-    result = run_ranks("restore_collectives")
+    result = run_ranks("restore_unused_param_grads:collectives")
     result.assert_clean()
     return result
 

@@ -38,7 +38,7 @@ CASES = [f"{path}/{kind}" for path in PATHS for kind in fin.MODELS] + ["pipelini
 @pytest.fixture(scope="module")
 def run():
     result = run_ranks(
-        "finalization", env={"FSDP_DIST_PG_TIMEOUT_S": PG_TIMEOUT_S}, timeout=OUTER_TIMEOUT_S
+        "restore_unused_param_grads:finalization", env={"FSDP_DIST_PG_TIMEOUT_S": PG_TIMEOUT_S}, timeout=OUTER_TIMEOUT_S
     )
     result.assert_clean()
     ck.assert_registry(result, {"restore_unused_param_grads": "applied"})

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def runs():
-    patched = run_ranks("restore_hsdp_window")
-    unpatched = run_ranks("restore_hsdp_window", env={ck.ENV["restore_unused_param_grads"]: "0"})
+    patched = run_ranks("restore_unused_param_grads:hsdp_window")
+    unpatched = run_ranks("restore_unused_param_grads:hsdp_window", env={ck.ENV["restore_unused_param_grads"]: "0"})
     return patched, unpatched
 
 

@@ -23,12 +23,12 @@ ONE_RANK = ("experts.0.weight", "experts.0.bias", "experts.1.weight", "experts.1
 
 @pytest.fixture(scope="module")
 def unpatched():
-    return run_ranks("restore_unused", env={ck.ENV[PATCH]: "0"})
+    return run_ranks("restore_unused_param_grads", env={ck.ENV[PATCH]: "0"})
 
 
 @pytest.fixture(scope="module")
 def patched():
-    return run_ranks("restore_unused", env={"FSDP_AUTOPATCH_LOG_LEVEL": "INFO"})
+    return run_ranks("restore_unused_param_grads", env={"FSDP_AUTOPATCH_LOG_LEVEL": "INFO"})
 
 
 def test_patched_fires_and_logs_the_first_fire_once_per_process(patched):

@@ -34,7 +34,7 @@ BUG = "n"
 STEPS = (1, 2)
 
 
-unpatched, patched = ck.off_and_on("stale_backward", PATCH)
+unpatched, patched = ck.off_and_on("stale_backward_recovery", PATCH)
 
 
 def _cases(run: RunResult, names) -> list[str]:

@@ -30,7 +30,7 @@ ASSERT_RE = re.compile(
 EXPERT1 = ("experts.1.weight", "experts.1.bias")
 
 
-unpatched, patched = ck.off_and_on("uniform_dtype", PATCH)
+unpatched, patched = ck.off_and_on("uniform_reduce_dtype", PATCH)
 
 
 def _is_dtype_assertion(err) -> bool:

@@ -37,23 +37,23 @@ ALWAYS = ("inp.weight", "inp.bias", "out.weight", "out.bias", *E[2])
 @pytest.fixture(scope="module")
 def native_then_flag_off():
     # flag_off_uneven kills the job, so it comes last
-    return run_ranks("expert_routing", args={"modes": ["native", "flag_off", "flag_off_uneven"]})
+    return run_ranks("unused_param_reduction", args={"modes": ["native", "flag_off", "flag_off_uneven"]})
 
 
 @pytest.fixture(scope="module")
 def unpatched():
-    return run_ranks("expert_routing", args={"modes": ["native"]}, env={ck.ENV[PATCH]: "0"})
+    return run_ranks("unused_param_reduction", args={"modes": ["native"]}, env={ck.ENV[PATCH]: "0"})
 
 
 @pytest.fixture(scope="module")
 def backport():
-    return run_ranks("expert_routing", args={"modes": ["backport"]})
+    return run_ranks("unused_param_reduction", args={"modes": ["backport"]})
 
 
 @pytest.fixture(scope="module")
 def env_policy():
     return run_ranks(
-        "expert_routing",
+        "unused_param_reduction",
         args={"modes": ["env_policy"]},
         env={"FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS": "1"},
     )
