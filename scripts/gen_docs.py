@@ -163,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         diffs = stale()
         sys.stdout.write("".join(diffs))
         return 1 if diffs else 0
+    changed = []
     for path, text in expected_files().items():
-        path.write_text(text)
+        if path.read_text() != text:
+            path.write_text(text)
+            changed.append(str(path.relative_to(ROOT)))
+    print(f"gen_docs: rewrote {', '.join(changed)}" if changed else "gen_docs: every generated block is up to date")
     return 0
 
 

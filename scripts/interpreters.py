@@ -53,6 +53,7 @@ UNIT_TESTS = (
     "tests/unit/test_activate.py",
     "tests/unit/test_consistency.py",
     "tests/unit/test_matrix_unmeasured.py",
+    "tests/unit/test_cases.py",
 )
 TOOLS = ("pytest>=7", "pytest-timeout>=2")
 STAND_IN_TORCH = {

@@ -218,6 +218,23 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
 # reproduces (where it says fixed, the off run must meet "on" instead).
 REFERENCE, BF16, WRONG = "reference", "bf16", "wrong"
 COMPLETED = {"error": None}
+CASE_ROW_KEYS = ("error", "grads", "params", "values")
+
+
+def check_case_row(row) -> list:
+    """What is wrong with one ``case_rows`` row (an empty list where nothing is): an unknown key (a
+    typo would check nothing), a row that checks nothing, a tolerance that is not one of the three."""
+    if not isinstance(row, dict) or not row:
+        return [f"a row is a non-empty dict of {', '.join(CASE_ROW_KEYS)}, not {row!r}"]
+    problems = [f"unknown key {key!r} (known: {', '.join(CASE_ROW_KEYS)})" for key in row if key not in CASE_ROW_KEYS]
+    for key in ("grads", "params"):
+        if key in row and row[key] not in (REFERENCE, BF16, WRONG):
+            problems.append(f"{key}: {row[key]!r} is none of REFERENCE, BF16, WRONG")
+    if "values" in row and (not isinstance(row["values"], dict) or not row["values"]):
+        problems.append(f"values: a non-empty dict of what the record's values must equal, not {row['values']!r}")
+    if "error" in row and not (row["error"] is None or isinstance(row["error"], (str, tuple))):
+        problems.append(f"error: None, a string or a tuple of strings, not {row['error']!r}")
+    return problems
 
 
 def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:

@@ -57,15 +57,24 @@ def run_with_entry_off(name: str) -> RunResult:
 
 
 def record_of(run: RunResult, name: str) -> dict[str, Any]:
-    """Rank 0's raw record of case ``name``; every rank must have run it and agree on its error."""
+    """Rank 0's raw record of case ``name``; every rank must have run it and agree on its error. A
+    failure names each rank's own error: the rank that raised first is the one to read."""
     records = []
     for rank in run.ranks:
         case = rank.cases.get(name)
-        assert case is not None and case["error"] is None, f"rank {rank.rank}: {name} not run\n{run.describe()}"
+        assert case is not None and case["error"] is None, (
+            f"rank {rank.rank} (exit {rank.returncode}): {name} not run or its scenario failed: "
+            f"{case and case['error']}\n{run.describe()}")
         records.append(case["record"])
-    errors = [record["error"] and record["error"]["type"] for record in records]
-    assert len(set(errors)) == 1, f"{name}: the ranks differ: {errors}\n{run.describe()}"
-    return records[0]
+    errors = [record["error"] and cases.error_text(record["error"]) for record in records]
+    each_rank = "; ".join(f"rank {r}: {error}" for r, error in enumerate(errors))
+    types = {error and error.split(":")[0] for error in errors}
+    assert len(types) == 1, f"{name}: the ranks differ: {each_rank}\n{run.describe()}"
+    return {**records[0], "each_rank": each_rank} if any(errors) else records[0]
+
+
+def _why(record: dict[str, Any], found: list[str]) -> str:
+    return f"{found}" + (f" (each rank's error: {record['each_rank']})" if "each_rank" in record else "")
 
 
 def _far(got: dict[str, Any], ref: dict[str, Any], bf16: bool = False) -> str | None:
@@ -104,6 +113,17 @@ def mismatches(record: dict[str, Any], ref: dict[str, Any], row: dict[str, Any])
     return found
 
 
+def row_of(name: str, which: str) -> dict[str, Any]:
+    """The entry's ``case_rows`` row, checked before anything is launched: a missing or misspelled
+    row fails here by name (``tests/expected.py``'s ``check_case_row`` says what a row holds)."""
+    if name not in ROWS:
+        pytest.fail(f"tests/expected.py case_rows has no rows for {name!r}: add its 'on' and 'off' rows")
+    problems = ex.check_case_row(ROWS[name].get(which))
+    if problems:
+        pytest.fail(f"tests/expected.py case_rows[{name!r}][{which!r}]: {'; '.join(problems)}")
+    return ROWS[name][which]
+
+
 def test_every_case_has_rows_and_every_entry_a_case():
     every = set(cases.NAMES)
     assert set(ROWS) == every, (sorted(every - set(ROWS)), sorted(set(ROWS) - every))
@@ -111,30 +131,32 @@ def test_every_case_has_rows_and_every_entry_a_case():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_case_with_the_plugin(plugin_on, name):
-    run = plugin_on[world_size(name)]
-    ck.assert_registry(run, {name: ck.EXPECTED_STATUS[name]})
+def test_case_with_the_plugin(name, request):
+    row = row_of(name, "on")
+    run = request.getfixturevalue("plugin_on")[world_size(name)]
     record = record_of(run, name)
+    ck.assert_registry(run, {name: ck.EXPECTED_STATUS[name]})
     if ck.EXPECTED_STATUS[name] == "unsupported":
         pytest.skip(f"{name} is unsupported on this torch: torch left as it is (record: {record['error']})")
-    found = mismatches(record, reference(name), ROWS[name]["on"])
-    assert not found, f"{name} with the plugin: {found}\n{run.describe()}"
+    found = mismatches(record, reference(name), row)
+    assert not found, f"{name} with the plugin: {_why(record, found)}\n{run.describe()}"
     ck.observe_patched(ex.BUG_OF[name], f"case: {cases.load(name).WHAT}")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_case_with_its_entry_off(name):
+    off_row, on_row = row_of(name, "off"), row_of(name, "on")
     run = run_with_entry_off(name)
-    ck.assert_registry_with_disabled(run, name)
     record = record_of(run, name)
-    off = mismatches(record, reference(name), ROWS[name]["off"])
-    on = mismatches(record, reference(name), ROWS[name]["on"])
+    ck.assert_registry_with_disabled(run, name)
+    off = mismatches(record, reference(name), off_row)
+    on = mismatches(record, reference(name), on_row)
     if not off:
         outcome = ex.REPRODUCES
     elif not on:
         outcome = ex.FIXED
     else:
-        outcome = f"neither row (off row: {off}; on row: {on})"
+        outcome = f"neither row (off row: {_why(record, off)}; on row: {on})"
     ck.expect_unpatched(ex.BUG_OF[name], outcome, f"case: {measured(record, reference(name))}", run)
 
 

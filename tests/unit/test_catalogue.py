@@ -65,6 +65,9 @@ def test_every_fix_and_guard_has_a_case_and_its_rows(name):
     for release in ex.MEASURED:
         rows = ex.case_rows(release)
         assert name in rows and set(rows[name]) == {"on", "off"}, f"tests/expected.py case_rows: {name}"
+        for which in ("on", "off"):
+            problems = ex.check_case_row(rows[name][which])
+            assert not problems, f"tests/expected.py case_rows[{name!r}][{which!r}] on {release}: {problems}"
 
 
 def test_every_case_module_is_an_entry():
@@ -77,7 +80,11 @@ def test_the_oracle_knows_every_fix_and_guard():
     assert list(ex.PATCHES) == list(catalogue.PATCH_NAMES), "tests/expected.py PATCHES must follow the catalogue"
     assert sorted(ex.BUG_OF) == sorted(catalogue.PATCH_NAMES), "tests/expected.py BUG_OF lacks an entry"
     for release in ex.MEASURED:
-        assert sorted(ex.expected_status(release)) == sorted(catalogue.PATCH_NAMES), ex.release_text(release)
-        assert sorted(ex.unpatched_outcome(release)) == sorted(ex.BUG_OF.values()), ex.release_text(release)
+        status, outcome = ex.expected_status(release), ex.unpatched_outcome(release)
+        missing = sorted(set(catalogue.PATCH_NAMES) - set(status)), sorted(set(ex.BUG_OF.values()) - set(outcome))
+        assert missing == ([], []), (f"on {ex.release_text(release)}, tests/expected.py's expected_status lacks "
+                                     f"{missing[0]} and unpatched_outcome lacks bug letters {missing[1]}")
+        assert sorted(status) == sorted(catalogue.PATCH_NAMES), "expected_status names unknown entries"
+        assert sorted(outcome) == sorted(ex.BUG_OF.values()), "unpatched_outcome names unknown bug letters"
     waits = {entry.name: entry.waits_for for entry in catalogue.ENTRIES if entry.waits_for}
     assert ex.WAITS_FOR == waits, "tests/expected.py WAITS_FOR must name the entries that wait for another module"

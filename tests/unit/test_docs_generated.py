@@ -24,7 +24,8 @@ def _gen_docs():
 
 def test_generated_blocks_match_the_declarations():
     diffs = _gen_docs().stale()
-    assert not diffs, "run `python3 scripts/gen_docs.py`:\n" + "".join(diffs)
+    hint = "run `.venv/bin/python scripts/gen_docs.py` (it imports the package and torch):\n"
+    assert not diffs, hint + "".join(diffs)
 
 
 def test_the_oracle_lists_the_catalogues_patches_in_order():

@@ -150,8 +150,11 @@ def table(report: dict[str, Any]) -> str:
            f"{report['seconds']:.0f} s; plugin {report['plugin'].get('version')} from "
            f"{report['plugin'].get('wheel') or report['plugin'].get('file')}, bootstrap "
            f"{report['plugin'].get('bootstrap')}", ""]
-    out.append(f"{'patch':<34} {'bug':<3} {'here?':<5} {'plugin on':<10} {'off agrees':<10} "
+    out.append(f"{'patch':<34} {'bug':<3} {'hits':<5} {'plugin on':<10} {'off agrees':<10} "
                "plugin off (that patch's variable =0)")
+    if not any(row["bug"] != "-" for row in report["patches"].values()):
+        out.append("(bug letters and 'off agrees' come from --expected tests/expected.py; hits: the bug can "
+                   "strike at this world size)")
     for name, row in report["patches"].items():
         if "on" not in row:
             here = "yes" if row["strikes_at_this_world_size"] else "no"

@@ -27,6 +27,7 @@ torch is imported inside functions only.
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from typing import Any
 
@@ -47,11 +48,15 @@ def run_case(name: str, rank: int, world_size: int, device: str = "cpu") -> dict
     """
     try:
         record = dict(load(name).run(rank, world_size, device=device))
-        record["error"] = None
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as error:  # the bug's crash or a guard's stop (DCP's CheckpointException is a BaseException)
-        record = {"error": error_record(error)}
+        return {"error": error_record(error)}
+    try:  # the demo and the GPU check write records as JSON: a case that returns more breaks them all alike
+        json.dumps(record, allow_nan=True)
+    except (TypeError, ValueError) as error:
+        return {"error": {"type": "CaseError", "message": f"case {name!r} returned a record that is not JSON: {error}"}}
+    record["error"] = None
     return record
 
 

@@ -45,12 +45,13 @@ def _run(show: BugShow, patched: bool, timeout_s: float) -> RunResult:
     return run_scenario(scenario, timeout_s, bug=show.name, world_size=show.world_size)
 
 
-def _outcome(result: RunResult) -> tuple[bool, str]:
-    """(right, what happened) of one sub-run, from rank 0's report or the first failure."""
+def _outcome(result: RunResult) -> tuple[bool | None, str]:
+    """(right, what happened) of one sub-run, from rank 0's verdict; right is None where the run
+    gave no verdict (a rank failed outside the case: a timeout, a crash): the first failure."""
     rank0 = result.rank0
     if "right" in rank0 and not result.failures():
         return bool(rank0["right"]), rank0["value"]
-    return False, describe_failure(result)
+    return None, describe_failure(result)
 
 
 def _status_line(result: RunResult) -> str:
@@ -68,10 +69,12 @@ def demo_bug(name: str, timeout_s: float = RUN_TIMEOUT_S) -> int:
     off, on = _run(show, False, timeout_s), _run(show, True, timeout_s)
     declared = on.rank0.get("declared") or off.rank0.get("declared") or {}
     if declared:
-        print(f"  bug: {declared['symptom']} (upstream: {declared['upstream']})")
+        upstream = f" (upstream: {declared['upstream']})" if declared["upstream"] else ""
+        print(f"  bug: {declared['symptom']}{upstream}")
     off_right, off_text = _outcome(off)
     on_right, on_text = _outcome(on)
-    label = "right: this torch does not have the bug" if off_right else "REPRODUCED"
+    label = {True: "right: this torch does not have the bug", False: "REPRODUCED",
+             None: "the run failed before its case gave a record (not necessarily the bug)"}[off_right]
     print(f"\nwithout the patch [{off.seconds:.1f} s]: {off_text}\n==> {label}")
     print(f"\nwith the patch [{on.seconds:.1f} s], {_status_line(on)}: {on_text}")
     if on_right and on.rank0.get("guard_error"):  # whole: it is what the user's own run prints
