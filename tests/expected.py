@@ -43,6 +43,7 @@ PATCHES = (
     "sac_prefetched_unit",
     "dcp_optimizer_state_init",  # waits for torch.distributed.checkpoint.state_dict (Entry.waits_for)
     "inference_mode_first_forward",
+    "unmanaged_trainable_params_guard",  # a guard (kind GUARD)
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -63,6 +64,7 @@ BUG_OF = {
     "sac_prefetched_unit": "o",  # NeMo Automodel issue 3958, torchtitan issue 3427
     "dcp_optimizer_state_init": "p",  # PyTorch issues 192202, 164929
     "inference_mode_first_forward": "q",  # no upstream issue; PyTorch PR 197327 fixed another crash
+    "unmanaged_trainable_params_guard": "r",  # transformers PR 48792, FastVideo PR 1666
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -146,6 +148,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "dcp_optimizer_state_init": "applied",
         # (q) buffers created in the first unshard's mode: measured 2.13/2.15; read, not run, 2.6-2.12, 2.14
         "inference_mode_first_forward": "applied",
+        # (r) fully_shard manages what it saw: measured 2.13, 2.15; read 2.6 - 2.12, 2.14
+        "unmanaged_trainable_params_guard": "applied",
     }
 
 
@@ -202,6 +206,8 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (q) measured 2.13, 2.15 (the first training step after an inference_mode evaluation raises:
         # in-place update to an inference tensor); read, not run, 2.8 - 2.12 and 2.14 (the same methods)
         "q": REPRODUCES,
+        # (r) measured 2.13, 2.15 (the ranks' adapters apart after 3 SGD steps, silently); read 2.8 - 2.12, 2.14
+        "r": REPRODUCES,
     }
 
 
@@ -350,6 +356,13 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
         "inference_mode_first_forward": {
             "on": {**COMPLETED, "grads": REFERENCE},
             "off": {"error": "RuntimeError: Inplace update to inference tensor outside InferenceMode is not allowed"},
+        },
+        # (r) an adapter added after fully_shard: the guard stops the first step; without it each rank
+        # trains its own copy, silently (and the synced parameters drift from the in-sync reference)
+        "unmanaged_trainable_params_guard": {
+            "on": {"error": "GuardError: fsdp-autopatch guard unmanaged_trainable_params_guard: SGD holds 1 "
+                            "trainable parameter(s) that FSDP2 does not manage"},
+            "off": {**COMPLETED, "params": WRONG, "values": {"adapters_apart": True}},
         },
     }
 

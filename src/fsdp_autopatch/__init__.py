@@ -36,6 +36,8 @@ switchable by an environment variable, and a registry records what happened:
                                            dummy step (Adam, AdamW, SGD).
 * ``inference_mode_first_forward``       – an evaluation under `torch.inference_mode()` before the first training step
                                            does not break training.
+* ``unmanaged_trainable_params_guard``   – trainable parameters FSDP2 does not manage (adapters added after fully_shard)
+                                           stop the first step where the ranks' copies differ.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

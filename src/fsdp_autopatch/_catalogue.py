@@ -79,6 +79,7 @@ ENTRIES = (
     Entry("sac_prefetched_unit"),  # after stale_backward_recovery (Patch.after)
     Entry("dcp_optimizer_state_init", waits_for=DCP_STATE_DICT),
     Entry("inference_mode_first_forward"),
+    Entry("unmanaged_trainable_params_guard", GUARD),
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
     Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True),
 )

@@ -27,7 +27,7 @@ for _folder in ("tests", "scripts"):  # tests/expected.py (the per-release expec
         sys.path.insert(0, str(REPO / _folder))
 import _wheel  # noqa: E402
 import expected as ex  # noqa: E402
-from _wrap_points import DEPTH, expected_wrappers, wrap_points  # noqa: E402,F401 (re-exported)
+from _wrap_points import DEPTH, applied_entries, expected_wrappers, wrap_points  # noqa: E402,F401 (re-exported)
 
 # Which interpreter the venvs are made from and which torch goes into them. By default the test
 # runner's own interpreter and torch 2.13.0 (on this machine pip takes it from local disk, cp311
@@ -322,7 +322,7 @@ def reasons(report: Mapping) -> dict[str, str]:
 
 def assert_torch_matches_registry(probe: Mapping) -> None:
     """Each torch attribute carries one wrapper per applied patch that wraps it, and no other."""
-    status = statuses(probe["status"])
+    status = applied_entries(probe["status"])
     assert probe["patched"] == expected_wrappers(status), (status, probe["patched"])
 
 

@@ -1,7 +1,7 @@
 """Where the built-in patches wrap torch, derived from their declarations in the test venv's torch.
 
-Each fix's and guard's ``PATCH.targets`` (``fsdp_autopatch.patches.load_patch``, in the catalogue's
-order, ``fsdp_autopatch._catalogue.PATCH_NAMES``) names what it replaces: a ``Wrap``'s ``path``
+Each entry's ``PATCH.targets`` (``fsdp_autopatch.patches.load_patch``, in the catalogue's order,
+``fsdp_autopatch._catalogue.ENTRIES``: fixes, guards and policies) names what it replaces: a ``Wrap``'s ``path``
 (``"module:Qualified.name"``), applied only where its ``when`` holds, and for ``everywhere``
 targets also every loaded ``torch.*`` module holding the same function
 (``fsdp_autopatch._patching.import_sites``). ``Add`` targets add an attribute torch lacks: no wrapper.
@@ -25,7 +25,7 @@ import pytest
 DERIVE = r'''
 import json
 import torch.distributed.fsdp
-from fsdp_autopatch._catalogue import PATCH_NAMES
+from fsdp_autopatch._catalogue import ENTRIES
 from fsdp_autopatch._patching import import_sites, original_of, resolve
 from fsdp_autopatch._process import HOOK_TARGET, trigger_of
 from fsdp_autopatch._spec import Wrap
@@ -40,7 +40,7 @@ def point_name(module, owner, attribute):
 
 
 points, by_patch = {}, {}
-for patch_name in PATCH_NAMES:
+for patch_name in [entry.name for entry in ENTRIES]:
     mine = []
     # an entry that waits for another module (DCP's state_dict) is pending in the probes, which
     # import FSDP2 only: it wraps nothing there
@@ -115,14 +115,22 @@ def wrap_points() -> dict[str, tuple[str, str | None, str]]:
     return dict(table().points)
 
 
+def applied_entries(report: Mapping) -> dict[str, str]:
+    """A registry report's status per entry: each fix's and guard's, and ``applied`` for each policy
+    it lists (a policy is listed exactly where it applied: ``FSDP_AUTOPATCH_CROSS_RANK_CHECK=0`` leaves
+    it out), since a policy's wrappers sit on torch's attributes beside the fixes' and guards'."""
+    patches = {p["name"]: p["status"] for p in report["patches"]}
+    return {**patches, **dict.fromkeys(report.get("policies", {}), "applied")}
+
+
 def expected_wrappers(status: Mapping[str, str], missing: Sequence[str] = ()) -> dict[str, object]:
-    """How many wrappers each probed attribute carries given the registry ``status`` (one per applied
-    patch that wraps it); ``None`` for the attributes in ``missing`` (a point's name, or its owner's:
-    ``"FSDPParamGroup"`` is every ``FSDPParamGroup.*`` point)."""
+    """How many wrappers each probed attribute carries given ``status`` (one per applied entry that
+    wraps it: :func:`applied_entries` of a report); ``None`` for the attributes in ``missing`` (a
+    point's name, or its owner's: ``"FSDPParamGroup"`` is every ``FSDPParamGroup.*`` point)."""
     expected: dict[str, object] = {}
     for name, points in table().by_patch.items():
         for point in points:
-            expected[point] = expected.get(point, 0) + (status[name] == "applied")
+            expected[point] = expected.get(point, 0) + (status.get(name) == "applied")
     gone = [point for point in expected if point in missing or point.rpartition(".")[0] in missing]
     expected.update(dict.fromkeys(gone))
     return expected

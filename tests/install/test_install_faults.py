@@ -45,6 +45,7 @@ from _install_support import (
     T_TORCH,
     WAITING,
     Venv,
+    applied_entries,
     base_python,
     clean_env,
     config_warnings,
@@ -147,7 +148,7 @@ def assert_patched_as_registered(data: dict, *, missing: tuple = ()) -> None:
     """Each torch attribute carries one wrapper per applied patch that replaces it, and no other;
     ``missing`` are the attributes the fault renamed away; where the import of FSDP2 failed
     (``FSDP_AUTOPATCH_STRICT=1``), also those in the modules it dropped from ``sys.modules``."""
-    status = statuses(data["report"])
+    status = applied_entries(data["report"])
     gone = (*missing, *(data["unloaded"] if data["error"] else ()))
     assert data["patched"] == expected_wrappers(status, gone), (status, data["patched"])
 
