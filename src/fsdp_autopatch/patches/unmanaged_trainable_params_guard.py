@@ -32,7 +32,8 @@ The guard
     * at the first ``step()`` of each optimizer (then one ``WeakSet`` test per step), the trainable
       parameters it holds that lie in a recorded root's module tree and are no FSDPParam's sharded
       parameter are the unmanaged ones: found then, so an adapter added after the first forward is
-      seen too. None (every usual run): the optimizer is marked checked, nothing else happens;
+      seen too; a DTensor is not one of them (a layout of its own: tensor or expert parallelism).
+      None (every usual run): the optimizer is marked checked, nothing else happens;
     * some: a fingerprint of them (per parameter, in the optimizer's order: the sums of the weight
       and of its gradient, and of their squares, in float64, weighted by position) is compared over
       the root's data-parallel groups (FSDP2's shard group, and HSDP's replicate group): one
@@ -134,8 +135,10 @@ def unmanaged_in(optimizer: Any) -> tuple[Any, list[tuple[str, Any]]]:
         # FSDP2's own: each sharded parameter, and the unsharded one it puts on the module between an
         # unshard and a reshard (optimizer_unsharded_params_guard's business)
         managed = {id(fp.sharded_param) for fp in fsdp_params} | {id(_compat.unsharded_param(fp)) for fp in fsdp_params}
+        # a DTensor outside FSDP2 (tensor or expert parallelism applied by hand) has a layout of its
+        # own: its copies may differ between the data-parallel ranks on purpose, so it is not compared
         found = [(names[key], param) for key, param in held.items()
-                 if key in names and key not in managed and param.requires_grad]
+                 if key in names and key not in managed and param.requires_grad and not hasattr(param, "placements")]
         return state, found
     return None, []
 
