@@ -14,3 +14,20 @@ def registry(monkeypatch):
     monkeypatch.setattr(_events, "REGISTRY", fresh)
     monkeypatch.setattr(_isolation, "REGISTRY", fresh)
     return fresh
+
+
+@pytest.fixture
+def fake_mesh():
+    """FSDP2 on the fake backend in this process: 4 fake ranks and their 1-D CPU mesh (its
+    collectives return no peer's data). Skipped where a process group already exists."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (4,))
+    finally:
+        dist.destroy_process_group()

@@ -156,18 +156,8 @@ def test_revert_all_leaves_no_active_check():
 
 
 @pytest.fixture
-def fake_world(applied):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (4,))
-    finally:
-        dist.destroy_process_group()
+def fake_world(applied, fake_mesh):
+    return fake_mesh
 
 
 def sharded_model(mesh, **root_kwargs):

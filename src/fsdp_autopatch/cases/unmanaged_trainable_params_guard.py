@@ -12,6 +12,7 @@ from ._common import (
     judge_against_reference,
     listed,
     rank_batch,
+    sgd_steps,
     sum_loss,
     sum_reduction,
 )
@@ -85,17 +86,9 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
 
 def reference(world_size: int) -> dict[str, Any]:
     """One process: the adapter trained with the others on the mean of every rank's loss (in sync)."""
-    import torch
-
     model = _model()
     _add_adapter(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(STEPS):
-        for rank in range(world_size):
-            (sum_loss(model, rank_batch(rank)) / world_size).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    params = listed(dict(model.named_parameters()))
+    params = listed(dict(sgd_steps(model, STEPS, LR, world_size).named_parameters()))
     return {"params": params, "values": {"adapters_apart": False, "adapters_apart_by": 0.0}}
 
 
