@@ -31,3 +31,27 @@ def fake_mesh():
         yield init_device_mesh("cpu", (4,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def apply_patch(registry):
+    """``apply_patch(module)``: the patch module's ``PATCH`` applied (by the .pth hook already, or
+    here), its fires and call-time failures counted in the test's fresh ``registry`` (returned);
+    reverted afterwards if applied here."""
+    from fsdp_autopatch import _isolation, _patching
+
+    used: dict[str, bool] = {}  # patch name -> applied here (to revert)
+
+    def apply(module):
+        used[module.NAME] = not _patching.is_applied(module.NAME)
+        if used[module.NAME]:
+            _patching.apply(module.PATCH)
+        return registry
+
+    try:
+        yield apply
+    finally:
+        for name, applied_here in used.items():
+            if applied_here:
+                _patching.revert(name)
+            _isolation.forget(name)

@@ -14,9 +14,8 @@ nn = torch.nn
 import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if the .pth is active)
 from torch.optim import optimizer as torch_optimizer  # noqa: E402
 
-from fsdp_autopatch import _activate, _events, _isolation, _patching  # noqa: E402
+from fsdp_autopatch import _activate, _isolation, _patching  # noqa: E402
 from fsdp_autopatch._events import GuardError  # noqa: E402
-from fsdp_autopatch._registry import Registry  # noqa: E402
 from fsdp_autopatch.patches import optimizer_unsharded_params_guard as guard  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,21 +23,9 @@ TOGGLE = "FSDP_AUTOPATCH_OPTIMIZER_UNSHARDED_PARAMS_GUARD_ENABLED"
 
 
 @pytest.fixture
-def applied(monkeypatch):
-    """The patch applied (by the .pth hook, or here), fires and call-time failures counted in a
-    registry of the test's own; reverted afterwards if applied here."""
-    registry = Registry()
-    monkeypatch.setattr(_events, "REGISTRY", registry)
-    monkeypatch.setattr(_isolation, "REGISTRY", registry)
-    applied_here = not _patching.is_applied(guard.NAME)
-    if applied_here:
-        _patching.apply(guard.PATCH)
-    try:
-        yield registry
-    finally:
-        if applied_here:
-            _patching.revert(guard.NAME)
-        _isolation.forget(guard.NAME)
+def applied(apply_patch):
+    """The guard applied (by the .pth hook, or here), counting in a registry of the test's own."""
+    return apply_patch(guard)
 
 
 class FakeFSDPParam:

@@ -15,27 +15,16 @@ nn = torch.nn
 
 import torch.distributed.fsdp  # noqa: E402,F401  (fires the post-import hook if the .pth is active)
 
-from fsdp_autopatch import _events, _isolation, _patching  # noqa: E402
-from fsdp_autopatch._registry import Registry  # noqa: E402
+from fsdp_autopatch import _isolation  # noqa: E402
 from fsdp_autopatch.patches import unmanaged_trainable_params_guard as guard  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture
-def applied(monkeypatch):
-    registry = Registry()
-    monkeypatch.setattr(_events, "REGISTRY", registry)
-    monkeypatch.setattr(_isolation, "REGISTRY", registry)
-    applied_here = not _patching.is_applied(guard.NAME)
-    if applied_here:
-        _patching.apply(guard.PATCH)
-    try:
-        yield registry
-    finally:
-        if applied_here:
-            _patching.revert(guard.NAME)
-        _isolation.forget(guard.NAME)
+def applied(apply_patch):
+    """The guard applied (by the .pth hook, or here), counting in a registry of the test's own."""
+    return apply_patch(guard)
 
 
 def test_the_structural_check_finds_what_the_guard_reads():
