@@ -63,6 +63,20 @@ def test_a_json_record_gets_error_none(monkeypatch):
     assert cases.run_case("x", 1, 2) == {"values": {"groups": 2}, "error": None}
 
 
+def test_a_case_without_needs_runs_anywhere(monkeypatch):
+    _stand_in(monkeypatch, run=None)
+    assert cases.unmet("x") is None and cases.unmet("x", "cuda") is None
+
+
+def test_a_cuda_case_is_unmet_off_cuda_and_a_missing_package_is_named(monkeypatch):
+    _stand_in(monkeypatch, run=None, NEEDS=("cuda", "json", "no_such_package_fsdp_autopatch"))
+    off_cuda = cases.unmet("x", "cpu")
+    assert "CUDA device" in off_cuda and "'no_such_package_fsdp_autopatch'" in off_cuda
+    assert "'json'" not in off_cuda  # an importable module is met
+    on_cuda = cases.unmet("x", "cuda")
+    assert "CUDA" not in on_cuda and "pip install no_such_package_fsdp_autopatch" in on_cuda
+
+
 def test_verdict_prints_a_guard_error_whole_and_a_crash_as_wrong(monkeypatch):
     _stand_in(monkeypatch, None)
     message = "fsdp-autopatch guard g: ...\nset FSDP_AUTOPATCH_G_ENABLED=0."

@@ -163,10 +163,10 @@ def _report(args, device, world_size, backend, expected, found, results, started
         "compile": {"backend": backend, "note": plan.COMPILE_NOTE[device] if not args.compile_backend else "given"},
         "expected_source": str(Path(args.expected).resolve()) if expected else
         "no --expected: the plugin-off runs are recorded, not judged",
-        "patches": report.patch_rows(results, world_size, expected_off, found["statuses"], letters),
+        "patches": report.patch_rows(results, world_size, expected_off, found["statuses"], letters, device),
         # entries without a case module (none today): their gloo tests cover them
         "not_in_gpu_check": [name for name in found["statuses"] if name not in plan.BY_NAME],
-        "world_size_1": {p.name: dict(zip(("can_strike", "runs", "note"), plan.strikes(p.name, 1)))
+        "world_size_1": {p.name: dict(zip(("can_strike", "runs", "note"), plan.strikes(p.name, 1, device)))
                          for p in plan.PATCHES},
         "training": report.training_rows(results, device) if not args.only else {},
         "cost": report.cost_summary(results.get("step cost")) if not args.only else {"skipped": "--only"},

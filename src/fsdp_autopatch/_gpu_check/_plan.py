@@ -71,8 +71,12 @@ TRAINING = {  # flavour -> what it adds to the training case (the first four bug
 }
 
 
-def strikes(name: str, world_size: int) -> tuple[bool, bool, str]:
-    """(can entry ``name``'s bug strike at this world size, is its case run, why not / what instead)."""
+def strikes(name: str, world_size: int, device: str = "cpu") -> tuple[bool, bool, str]:
+    """(can entry ``name``'s bug strike at this world size on ``device``, is its case run, why not /
+    what instead)."""
+    unmet = cases.unmet(name, device)
+    if unmet:
+        return False, False, f"{unmet}: not run"
     if name == "unused_param_reduction" and world_size < 2:
         return (False, True, "one rank issues the only reduce-scatter, so ranks cannot disagree; run instead: "
                 "the fill's method exists (torch's from 2.13, the backport before) and gives the right gradients")
@@ -111,7 +115,7 @@ class Launch:
 def plan(device: str, world_size: int, cost_spec: dict, only: list[str] | None = None) -> list[Launch]:
     """The launches, in the order they run: the patched bug cases, each bug with its patch off, the
     training flavours on and off, the step cost."""
-    run = [p for p in PATCHES if strikes(p.name, world_size)[1] and (not only or p.name in only)]
+    run = [p for p in PATCHES if strikes(p.name, world_size, device)[1] and (not only or p.name in only)]
     flavours = [f for f in TRAINING if device == "cuda" or f != "train_offload"]
     launches = [Launch("plugin on: bug cases", [p.name for p in run])]
     launches += [Launch(f"{p.name} off", [p.name], {variable(p.name): "0"}) for p in run]

@@ -59,7 +59,8 @@ UNSUPPORTED_NOTE = ("unsupported on this torch: the plugin leaves torch as it is
 
 
 def patch_rows(launches: dict[str, dict], world_size: int, expected: dict[str, str],
-               statuses: dict[str, str] | None = None, letters: dict[str, str] | None = None) -> dict[str, Any]:
+               statuses: dict[str, str] | None = None, letters: dict[str, str] | None = None,
+               device: str = "cpu") -> dict[str, Any]:
     """Per patch its case with the plugin on and with that patch off. ``expected``: per entry what
     its case shows with its patch off (``--expected``; empty: the off-runs are recorded, not judged);
     ``letters``: per entry its bug's letter there. ``statuses``: the plugin's own record on this torch
@@ -68,7 +69,7 @@ def patch_rows(launches: dict[str, dict], world_size: int, expected: dict[str, s
     rows, statuses, letters = {}, statuses or {}, letters or {}
     planned = (launches.get("plugin on: bug cases") or {}).get("cases") or []
     for patch in PATCHES:
-        can, ran, why = strikes(patch.name, world_size)
+        can, ran, why = strikes(patch.name, world_size, device)
         row: dict[str, Any] = {"bug": letters.get(patch.name, "-"), "case": patch.what,
                                "strikes_at_this_world_size": can,
                                "note": why, "expected_off": expected.get(patch.name, "no expectation"),

@@ -13,7 +13,10 @@ this package) and holds:
   right: the values the record is compared with;
 - optionally ``judge(record, reference) -> (right, text)``: the case's own verdict, which the demo
   and the GPU check print (default: :func:`judge`). The tests never read it: they judge the raw
-  record against ``tests/expected.py`` with their own tolerances.
+  record against ``tests/expected.py`` with their own tolerances;
+- optionally ``NEEDS``: what the run needs beyond torch, a tuple of ``"cuda"`` (a CUDA device and
+  NCCL: the bug exists only there) and importable module names (``"peft"``). Where one is missing
+  (:func:`unmet`), the tests, the demo and the GPU check skip the case and say why.
 
 A raw record and a reference are JSON values (the demo's and the GPU check's ranks write JSON):
 ``"grads"`` (the full gradients, ``{name: nested list}``), ``"params"`` (the full weights after the
@@ -27,6 +30,7 @@ torch is imported inside functions only.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import pkgutil
 from typing import Any
@@ -39,6 +43,20 @@ def load(name: str):
     if name not in NAMES:
         raise KeyError(name)
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def unmet(name: str, device: str = "cpu") -> str | None:
+    """Why entry ``name``'s case cannot run on ``device`` here (its ``NEEDS``), or None where it can.
+
+    Modules are looked up, not imported (``find_spec``): the demo's parent process stays light."""
+    missing = []
+    for need in getattr(load(name), "NEEDS", ()):
+        if need == "cuda":
+            if not device.startswith("cuda"):
+                missing.append(f"a CUDA device with NCCL (device here: {device})")
+        elif importlib.util.find_spec(need) is None:
+            missing.append(f"the {need!r} package (pip install {need})")
+    return f"{name}'s case needs " + " and ".join(missing) if missing else None
 
 
 def run_case(name: str, rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
@@ -91,4 +109,4 @@ def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]
     return judge_against_reference(record, reference)
 
 
-__all__ = ["NAMES", "error_record", "error_text", "judge", "load", "run_case", "verdict"]
+__all__ = ["NAMES", "error_record", "error_text", "judge", "load", "run_case", "unmet", "verdict"]

@@ -62,10 +62,15 @@ def _status_line(result: RunResult) -> str:
 
 
 def demo_bug(name: str, timeout_s: float = RUN_TIMEOUT_S) -> int:
-    """Exit 0 when the patched run gives the right value (whether or not this torch still has the bug)."""
+    """Exit 0 when the patched run gives the right value (whether or not this torch still has the bug);
+    2 when the case cannot run here (its ``NEEDS``: a CUDA device, a package this environment lacks)."""
     show = BUG_SHOWS[name]
     print(f"fsdp-autopatch demo --bug {name}: {show.world_size} CPU ranks (gloo)")
     print(f"  run: {show.what}")
+    unmet = cases.unmet(name)
+    if unmet:  # a CUDA-only bug, or a package this environment lacks: nothing to show here
+        print(f"\nnot run: {unmet}")
+        return 2
     off, on = _run(show, False, timeout_s), _run(show, True, timeout_s)
     declared = on.rank0.get("declared") or off.rank0.get("declared") or {}
     if declared:
