@@ -35,11 +35,13 @@ class Entry:
     variable -- a policy's own switch; fixes and guards derive theirs from the name
     default  -- whether it is on when no variable says otherwise (fixes and guards: always)
     waits_for -- the module whose import applies it; None: FSDP2's (``_process.HOOK_TARGET``)
+    kill_switch -- whether ``FSDP_AUTOPATCH_ENABLED=0`` turns a policy at its default off too (a
+                 policy whose own variable is set follows that variable)
     """
 
-    __slots__ = ("name", "kind", "variable", "default", "waits_for")
+    __slots__ = ("name", "kind", "variable", "default", "waits_for", "kill_switch")
 
-    def __init__(self, name, kind=FIX, variable=None, default=True, waits_for=None):
+    def __init__(self, name, kind=FIX, variable=None, default=True, waits_for=None, kill_switch=True):
         if kind not in KINDS:
             raise ValueError(f"{name}: kind {kind!r} is not one of {KINDS}")
         self.name = name
@@ -47,6 +49,7 @@ class Entry:
         self.variable = variable
         self.default = default
         self.waits_for = waits_for
+        self.kill_switch = kill_switch
 
     def __repr__(self):
         return f"Entry({self.name!r}, {self.kind!r})"
@@ -81,7 +84,10 @@ ENTRIES = (
     Entry("inference_mode_first_forward"),
     Entry("unmanaged_trainable_params_guard", GUARD),
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
-    Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True),
+    # kill_switch=False: a rank whose plugin is switched off still checks, so that its peers learn it
+    Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True, kill_switch=False),
+    Entry("pending_grads_warning", POLICY, f"{PREFIX}PENDING_GRADS_WARNING", default=True),
+    Entry("zero_grad_discards_pending_grads", POLICY, f"{PREFIX}ZERO_GRAD_DISCARDS_PENDING", default=False),
 )
 BY_NAME = {entry.name: entry for entry in ENTRIES}
 

@@ -173,8 +173,9 @@ class Settings:
         return f"Settings({self.__dict__!r})"
 
     def decision(self, name: str) -> Decision:
-        """Whether a patch or policy is on, and why. A policy follows its own variable only (the kill
-        switch and the list name patches); a patch read_settings did not know follows the kill switch."""
+        """Whether a patch or policy is on, and why. A policy follows its own variable (the list names
+        patches); at its default it follows the kill switch too, unless its entry says otherwise (the
+        cross-rank check); a patch read_settings did not know follows the kill switch."""
         if name in self.patches:
             return self.patches[name]
         if name in self.policies:
@@ -214,6 +215,10 @@ def read_settings(
     for name, variable in POLICY_VARIABLES.items():
         on = settings.policies[name]
         decided = parse_bool(environ.get(variable)) is not None  # a malformed value left the default
+        if not decided and on and not enabled and _catalogue.BY_NAME[name].kill_switch:
+            settings.policies[name] = False  # at its default, it follows the kill switch
+            settings.patches[name] = Decision(False, KILL_SWITCH, environ.get(KILL_SWITCH))
+            continue
         settings.patches[name] = Decision(on, variable, environ[variable]) if decided else Decision(on)
     return settings
 

@@ -87,12 +87,14 @@ class PolicyRecord:
 
     ``status``: ``applied`` (in force), ``not_needed`` / ``unsupported`` (requested, but this torch
     has nothing for it to act on, or differs), ``failed`` (raised while arming, or at call time).
-    ``description`` is what ``status().policies[name]`` shows.
+    ``description`` is what ``status().policies[name]`` shows; ``fired``: how often it acted in this
+    process (a warning given, gradients dropped), as a patch's.
     """
 
     name: str
     status: PatchStatus
     description: str
+    fired: int = 0
 
     @property
     def in_force(self) -> bool:
@@ -259,7 +261,7 @@ class Registry:
                 _explain_pending(_as_record(name, e, self._fired.get(name, 0)), torch_version)
                 for name, e in self._records.items()
             )
-            policy_records = tuple(self._policies.values())
+            policy_records = tuple(replace(r, fired=self._fired.get(r.name, 0)) for r in self._policies.values())
             third_party_failure = self._third_party_failure
         patches = tuple(_with_displacement(record, self._displaced) for record in patches)
         descriptions = {record.name: record.description for record in policy_records}

@@ -1,0 +1,81 @@
+"""pending_grads_warning: say so when ``zero_grad()`` or ``step()`` meets FSDP2 gradients not yet reduced.
+
+The behaviour
+    With ``set_requires_gradient_sync(False)`` (gradient accumulation without communication, FSDP1's
+    ``no_sync``) FSDP2 keeps each micro-batch's gradient unreduced on its FSDPParam
+    (``_unsharded_param.grad``; ``unsharded_accumulated_grad`` when ``reduce_dtype`` differs from
+    ``param_dtype``; HSDP's ``_partial_reduce_output`` under ``set_requires_all_reduce(False)``).
+    ``optimizer.zero_grad()`` and ``model.zero_grad()`` clear only the sharded gradients, so a loop
+    that discards a window (a NaN or OOM skip, an epoch that ends mid-window) still has it reduced
+    into the next step. Measured on 2 gloo ranks (torch 2.13 and 2.15): after a discarded window
+    of one micro-batch, the next update is 0.50 off DDP's, where ``zero_grad()`` after ``no_sync``
+    drops the window (``tests/distributed/test_dist_pending_grads.py``). Likewise an
+    ``optimizer.step()`` right after a backward with the sync off applies only gradients reduced
+    before, and the kept ones go into the next step. No error, no warning. Some FSDP2-only code may
+    rely on it, so this is a policy that warns, not a guard; ``zero_grad_discards_pending_grads``
+    makes ``zero_grad()`` drop them as DDP does.
+
+Torch versions
+    Every FSDP2 release keeps the gradients this way (read in 2.8 - 2.15; measured on 2.13 and
+    2.15). No torch release warns.
+
+Needed here?
+    ``FSDPParamGroup.post_backward`` keeps gradients by ``reduce_grads`` and
+    ``unsharded_accumulated_grad``, ``FSDPParam.to_accumulated_grad_if_needed`` keeps them on
+    ``_unsharded_param``, and ``torch.optim.optimizer`` has ``register_optimizer_step_pre_hook`` ->
+    needed. Anything else -> unsupported (torch left as it is).
+
+What it does
+    A wrapper of ``FSDPParamGroup.post_backward`` remembers, after torch's method, the units that
+    kept gradients (a ``WeakSet``; no collective). After torch's ``Optimizer.zero_grad`` /
+    ``nn.Module.zero_grad``, where a remembered unit holds unreduced gradients of the parameters
+    just zeroed: one ``UserWarning`` per process naming them, what happens to them and both
+    variables. Before ``optimizer.step()`` (a global step pre-hook, installed when a unit first keeps
+    gradients): the same for the parameters the optimizer updates. Each such call counts as a fire.
+    Nothing else changes: the warning never alters a gradient. A loop that never turns the sync off
+    pays one empty-set test per ``zero_grad()``.
+
+Call-time isolation
+    The wrappers read no argument (``set_to_none`` and anything else go to torch unchanged) and run
+    after torch's method (its result is kept should ours raise). The step hook runs inside
+    ``_isolation.isolated``. ``python -W error`` turns the warning into a line on stderr, never into
+    an exception.
+
+On by default; ``FSDP_AUTOPATCH_PENDING_GRADS_WARNING=0`` turns it off. Upstream: none (2.15's
+``set_requires_gradient_sync`` docstring describes the accumulation; DDP's ``no_sync`` behaves the
+other way).
+"""
+
+from __future__ import annotations
+
+from .._catalogue import BY_NAME
+from .._spec import POLICY, Patch, Verdict, Wrap, needed, unsupported
+from . import _pending_grads
+
+NAME = _pending_grads.WARNING
+VARIABLE = BY_NAME[NAME].variable  # FSDP_AUTOPATCH_PENDING_GRADS_WARNING
+
+
+def _structural_check() -> Verdict:
+    problem = _pending_grads.structural_problem()
+    if problem is not None:
+        return unsupported(problem)
+    return needed("zero_grad() leaves the gradients FSDP2 keeps unreduced (sync off), and the next step reduces them")
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="a warning when zero_grad() or step() meets FSDP2 gradients not yet reduced (sync off)",
+    symptom="silent: a window discarded with zero_grad() is still reduced into the next step (0.50 of the update "
+    "off DDP's on 2 ranks)",
+    trigger="zero_grad() or optimizer.step() after a backward with set_requires_gradient_sync(False)",
+    upstream=(),
+    # read in 2.8 - 2.15 (the kept gradients); measured on 2.13 and 2.15
+    affected=">=2.8",
+    check=_structural_check,
+    targets=_pending_grads.targets(NAME, Wrap),
+    changes="one warning per process when zero_grad() or optimizer.step() meets FSDP2 gradients not yet reduced "
+    f"({VARIABLE}=0 turns it off)",
+    kind=POLICY,
+    variable=VARIABLE,
+)
