@@ -201,10 +201,7 @@ def _run_policy(name: str, settings: Settings) -> None:
         return
     try:
         patch = patches.load_patch(name)
-        try:
-            verdict = verdict_of(patch)
-        except (ImportError, AttributeError) as error:  # as for a fix: this torch is shaped differently
-            verdict = unsupported(f"torch internals differ: {type(error).__name__}: {error}")
+        verdict = verdict_of(patch)
         if verdict.status != "needed":
             message = f"requested but not applied: {verdict.reason}"
             REGISTRY.record_policy(name, message, verdict.status)
