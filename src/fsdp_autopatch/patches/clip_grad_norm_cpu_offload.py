@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -131,13 +131,13 @@ def _dtensor_class():
     return getattr(module, "DTensor", None) if module is not None else None
 
 
-def _device_types(group) -> Optional[set]:
+def _device_types(group) -> set | None:
     """The device types ``group`` has a backend for; None where it does not say (then: served)."""
     devices = getattr(group, "_device_types", None)
     return None if devices is None else {device.type for device in devices}
 
 
-def _stranded(tensors) -> Optional[Any]:
+def _stranded(tensors) -> Any | None:
     """The mesh whose groups cannot reduce where some of ``tensors`` live, or None: every tensor a
     DTensor on one mesh, and a mesh dimension of more than one rank on which some tensor is not
     replicated has a group without a backend for that tensor's device type but with one for the
