@@ -82,7 +82,6 @@ import torch
 
 from .. import _compat, _events, _isolation
 from .._spec import CALL_AGAIN, Patch, Verdict, Wrap, needed, not_needed, unsupported
-from .clip_grad_norm_multi_mesh import _names_read
 
 NAME = "clip_grad_norm_cpu_offload"
 _CLIP = "torch.nn.utils.clip_grad"
@@ -124,6 +123,16 @@ def _structural_check() -> Verdict:
         return unsupported(f"not found: {', '.join(missing)}")
     return needed("_get_total_norm reduces DTensor gradients' partial norms on the device the gradients "
                   "live on, which a process group without a backend for it (NCCL and CPU offload) refuses")
+
+
+def _names_read(code) -> set:
+    """The names a code object reads, nested code objects (comprehensions) included. Not imported
+    from clip_grad_norm_multi_mesh: each entry's module loads on its own."""
+    names = set(code.co_names) if code is not None else set()
+    for const in code.co_consts if code is not None else ():
+        if isinstance(const, type(code)):
+            names |= _names_read(const)
+    return names
 
 
 def _dtensor_class():
