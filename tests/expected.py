@@ -33,6 +33,7 @@ PATCHES = (
     "post_forward_mesh_cache",
     "grouped_module_reuse",
     "keep_param_attributes",
+    "clip_grad_norm_cpu_offload",  # its case needs CUDA and NCCL (NEEDS); before clip_grad_norm_multi_mesh (after)
     "clip_grad_norm_multi_mesh",
     "fsdp_module_abc_layout",
     "optimizer_unsharded_params_guard",  # a guard (kind GUARD)
@@ -65,6 +66,7 @@ BUG_OF = {
     "dcp_optimizer_state_init": "p",  # PyTorch issues 192202, 164929
     "inference_mode_first_forward": "q",  # no upstream issue; PyTorch PR 197327 fixed another crash
     "unmanaged_trainable_params_guard": "r",  # transformers PR 48792, FastVideo PR 1666
+    "clip_grad_norm_cpu_offload": "u",  # NeMo Automodel PR 3461, torchtune PR 2108, axolotl issue 3058
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -129,6 +131,9 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "grouped_module_reuse": "applied" if release >= (2, 13) else "not_needed",
         # every FSDP2 release installs new Parameters without the replaced one's __dict__
         "keep_param_attributes": "applied",
+        # (u) _get_total_norm reduces partial norms where the gradients live: measured 2.13 (CPU stand-in);
+        # read, not run, 2.8 - 2.12, 2.14, 2.15 (the same _get_total_norm)
+        "clip_grad_norm_cpu_offload": "applied",
         # clip_grad's _get_total_norm stacks per-tensor norms without regard to DeviceMesh (2.8 - 2.15)
         "clip_grad_norm_multi_mesh": "applied",
         # every FSDP2 release builds type("FSDP<Name>", (FSDPModule, cls)) and caches it in cls_to_fsdp_cls
@@ -208,6 +213,10 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         "q": REPRODUCES,
         # (r) measured 2.13, 2.15 (the ranks' adapters apart after 3 SGD steps, silently); read 2.8 - 2.12, 2.14
         "r": REPRODUCES,
+        # (u) measured 2.13 with a CPU stand-in (2 gloo ranks, a group that serves cuda only: "No backend type
+        # associated with device type cpu" on every rank); on CUDA with NCCL read, not run (its case, NEEDS cuda:
+        # the GPU check's); read, not run, 2.8 - 2.12, 2.14, 2.15 (the same _get_total_norm)
+        "u": REPRODUCES,
     }
 
 
@@ -304,6 +313,14 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "off": {"error": ("RuntimeError: All operands in aten.stack.default must have the same mesh",
                               "ValueError: All operands in aten.stack.default must have the same mesh",
                               "RuntimeError: Sharding propagation failed for Op(op=aten.stack.default")},
+        },
+        # (u) CPUOffloadPolicy on NCCL (the GPU check's: NEEDS cuda, skipped on gloo): the partial norms'
+        # all-reduce of CPU tensors on a group with no CPU backend; with the fix the one-process clip's total
+        # and clipped grads, the total a replicated DTensor on the CPU. Read, not run (no GPU here); the same
+        # error measured with the CPU stand-in (test_dist_clip_grad_norm_cpu_offload.py)
+        "clip_grad_norm_cpu_offload": {
+            "on": {**COMPLETED, "grads": REFERENCE, "values": {"total_on": "cpu", "total_replicated": True}},
+            "off": {"error": "RuntimeError: No backend type associated with device type cpu"},
         },
         # (i) the class swap of the ABC-first root fails at its fully_shard; with the patch torch's class order
         "fsdp_module_abc_layout": {

@@ -17,6 +17,7 @@ switchable by an environment variable, and a registry records what happened:
                                            its weights for backward.
 * ``keep_param_attributes``              – attributes set on a parameter (`p.no_weight_decay = True`) are still there
                                            after `fully_shard`.
+* ``clip_grad_norm_cpu_offload``         – clip_grad_norm_ works with CPUOffloadPolicy on an NCCL-only process group.
 * ``clip_grad_norm_multi_mesh``          – clip_grad_norm_ works over gradients on several DeviceMeshes (experts +
                                            dense, HSDP + 1-D).
 * ``fsdp_module_abc_layout``             – fully_shard works on a module class that lists abc.ABC first (`class

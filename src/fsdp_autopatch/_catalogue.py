@@ -72,7 +72,8 @@ ENTRIES = (
     Entry("post_forward_mesh_cache"),
     Entry("grouped_module_reuse"),
     Entry("keep_param_attributes"),
-    Entry("clip_grad_norm_multi_mesh"),
+    Entry("clip_grad_norm_cpu_offload"),
+    Entry("clip_grad_norm_multi_mesh"),  # after clip_grad_norm_cpu_offload (Patch.after)
     Entry("fsdp_module_abc_layout"),
     Entry("optimizer_unsharded_params_guard", GUARD),
     Entry("gradient_divide_factor_single_rank"),

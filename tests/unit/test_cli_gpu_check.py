@@ -50,7 +50,11 @@ def test_the_plan_runs_every_case_by_entry_name() -> None:
     names = [e.name for e in _catalogue.ENTRIES if e.kind != _catalogue.POLICY and e.name in cases.NAMES]
     assert [p.name for p in _plan.PATCHES] == names
     launches = _plan.plan("cpu", 2, {"cases": []})
-    assert launches[0].cases == [n for n in names if n != "post_forward_mesh_cache"]  # 4 or more ranks
+    # post_forward_mesh_cache needs 4 or more ranks; a case whose NEEDS the CPU lacks (CUDA) is skipped
+    assert launches[0].cases == [n for n in names if n != "post_forward_mesh_cache" and cases.unmet(n, "cpu") is None]
+    on_cuda = _plan.plan("cuda", 2, {"cases": []})[0].cases
+    assert on_cuda == [n for n in names if n != "post_forward_mesh_cache"]
+    assert "clip_grad_norm_cpu_offload" in on_cuda and "clip_grad_norm_cpu_offload" not in launches[0].cases
     off = next(x for x in launches if x.name == "uniform_reduce_dtype off")
     assert off.cases == ["uniform_reduce_dtype"] and off.env == {_catalogue.toggle_for("uniform_reduce_dtype"): "0"}
     assert [x.name for x in launches[-3:]] == ["plugin on: training", "plugin off: training", "step cost"]

@@ -83,6 +83,10 @@ def strikes(name: str, world_size: int, device: str = "cpu") -> tuple[bool, bool
     if name == "post_forward_mesh_cache" and (world_size < 4 or world_size % 2):
         return (False, False, f"needs 1 < reshard_after_forward < shard size, i.e. an even mesh of 4 or more "
                 f"ranks (k=2), not {world_size}: not run")
+    if name == "clip_grad_norm_cpu_offload" and world_size < 2:
+        return (False, True, "a mesh of one rank has no partial norm to reduce (DTensor skips its collective), "
+                "so the missing CPU backend is never asked for; run instead: CPU-offloaded clipping on NCCL gives "
+                "the one-process values and the fix leaves torch's path alone")
     if name == "restore_unused_param_grads" and world_size < 2:
         return (True, True, "strikes (the fill zero-fills at any size); at one rank the usage flags have no peer, "
                 "so the flag all-reduce and its host sync do not run (see the cost's on_forced_sync)")

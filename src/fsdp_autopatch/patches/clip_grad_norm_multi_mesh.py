@@ -234,4 +234,7 @@ PATCH = Patch(
                  when=_public("clip_grads_with_norm_")),
     ),
     changes="multi-mesh gradients are normed and clipped per mesh, then combined",
+    # its wrapper sits outside clip_grad_norm_cpu_offload's: each per-mesh total it asks for is
+    # reduced on that mesh's device there (CPU-offloaded gradients on an NCCL-only group)
+    after=("clip_grad_norm_cpu_offload",),
 )

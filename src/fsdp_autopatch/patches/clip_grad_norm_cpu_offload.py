@@ -1,0 +1,285 @@
+"""clip_grad_norm_cpu_offload: ``clip_grad_norm_`` with CPU-offloaded gradients on an NCCL-only group.
+
+The bug
+    With ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` FSDP2 keeps each sharded gradient on
+    the CPU: a DTensor on the unit's mesh (``device_type="cuda"``) whose local shard is a CPU tensor.
+    ``torch.nn.utils.clip_grad._get_total_norm`` takes each gradient's norm where it lives (a 0-dim
+    DTensor, ``_NormPartial(p)`` on the shard dimension), stacks them on the first gradient's device
+    and calls ``vector_norm`` on the stack; DTensor then reduces the partial norms: an
+    ``all_reduce`` of the stacked CPU tensor over the mesh's process group
+    (``Partial._reduce_value`` -> ``funcol.all_reduce``; torch 2.13: in ``_get_total_norm``'s
+    ``vector_norm``; where the total stays partial, at the first use of it, e.g. clipping's
+    ``total_norm + 1e-6``). c10d picks the group's backend by the tensor's device type, and a group
+    made by ``init_process_group("nccl")`` has a backend for ``cuda`` only, so every rank fails at
+    the first ``clip_grad_norm_``::
+
+        RuntimeError: No backend type associated with device type cpu
+
+    A mix of offloaded and on-device units fails the same way (torch's ``norm.to(first_device)``
+    of a partial norm reduces it where it is). Upstream: NeMo Automodel PR 3461, torchtune PR 2108,
+    axolotl issue 3058, verl's own ``fsdp2_clip_grad_norm_`` (each works around it in its own
+    loop, or with ``init_process_group("cpu:gloo,cuda:nccl")``); no PyTorch issue.
+
+Torch versions
+    ``_get_total_norm`` has the same code in 2.8 - 2.15 (``clip_grad_norm_multi_mesh``'s reading);
+    DTensor reduces a partial tensor where its local tensor lives and skips mesh dimensions of one
+    rank (``_redistribute``'s ``num_chunks == 1`` short cut), read in the 2.13 and 2.14.1 wheels.
+    Reproduced on torch 2.13 with a CPU stand-in (2 gloo ranks whose group has a backend for
+    ``cuda`` only: the same message); on CUDA with NCCL: read, not run.
+
+Needed here?
+    ``clip_grad._get_total_norm`` has exactly the parameters (tensors, norm_type,
+    error_if_nonfinite, foreach) (its per-gradient norm loop is mirrored below, so a parameter
+    torch adds makes this fix unsupported, not silently ignored), ``clip_grad_norm_`` calls it, it
+    groups by ``_group_tensors_by_device_and_dtype``, norms with ``_foreach_norm`` /
+    ``vector_norm`` and stacks, and DTensor / DeviceMesh / ProcessGroup have what the wrapper
+    reads -> needed. ``_get_total_norm`` reading ``device_mesh`` or ``device_type`` (torch's own
+    fix would) -> not needed. Else unsupported.
+
+The replacement
+    ``_get_total_norm`` (and its public name ``torch.nn.utils.get_total_norm``) is replaced by a plain
+    function (``functools.wraps``; ``torch.compile`` traces these: see ``clip_grad_norm_multi_mesh``).
+    It acts only where the bug strikes: every tensor a DTensor on one mesh, and some gradient lives on
+    a device type that a process group of that mesh lacks (a mesh dimension of more than one rank
+    where the gradient is not replicated), while the groups serve the mesh's own ``device_type``.
+    Everything else (gloo, ``"cpu:gloo,cuda:nccl"``, no offload, plain tensors, one rank, several
+    meshes: ``clip_grad_norm_multi_mesh``'s) goes to torch unchanged, the same objects: bitwise
+    torch's result. Where it acts, torch's steps are run in torch's order with one difference:
+    each gradient's norm is computed where the gradient lives (``_foreach_norm`` per (device, dtype)
+    group, or ``vector_norm`` each, as torch chooses), then only these 0-dim partial norms move to
+    the mesh's device (``DTensor.from_local`` of the local value, placements kept), where torch's
+    ``stack`` and ``vector_norm`` reduce them (the collective on the mesh's backend). The total is
+    made replicated there if it is still partial, and returned on the first gradient's device, where
+    torch puts it: a replicated DTensor whose local value is on the CPU, so that clipping
+    (``_clip_grads_with_norm_``, torch's own) and ``total.full_tensor()`` issue no collective.
+    ``error_if_nonfinite``: torch's check on the total, and torch's own message. ``foreach=True`` on a
+    device without foreach kernels: torch's own error.
+
+Composition with clip_grad_norm_multi_mesh
+    This wrapper is the inner one (``clip_grad_norm_multi_mesh.after`` names this entry): the
+    multi-mesh fix calls the function under it once per mesh, so each mesh's partial norms are
+    reduced here on that mesh's device and come back replicated; its ``full_tensor()`` is then
+    free. Several meshes with this fix alone are left to torch (torch's stack error).
+
+Call-time isolation
+    Reads ``tensors``, ``norm_type``, ``error_if_nonfinite``, ``foreach`` by name. The reduction (torch's
+    ``stack`` / ``vector_norm`` / ``redistribute`` on the mesh's device) runs through ``torch_call``: a
+    peer's failure is torch's error. Should our code raise, torch's ``_get_total_norm`` is called
+    again with the caller's arguments (a pure function): the bug's error, as without the fix.
+    Every rank of the mesh takes the same path (the same gradients' devices and meshes), so the
+    collective is issued alike.
+
+Disable with ``FSDP_AUTOPATCH_CLIP_GRAD_NORM_CPU_OFFLOAD_ENABLED=0``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+
+from .. import _compat, _events, _isolation
+from .._spec import CALL_AGAIN, Patch, Verdict, Wrap, needed, not_needed, unsupported
+
+NAME = "clip_grad_norm_cpu_offload"
+_CLIP = "torch.nn.utils.clip_grad"
+_UTILS = "torch.nn.utils"
+_READS = ("tensors", "norm_type", "error_if_nonfinite", "foreach")  # torch's whole signature
+_LOOP = ("_group_tensors_by_device_and_dtype", "_has_foreach_support", "_device_has_foreach_support",
+         "_foreach_norm", "vector_norm", "stack")  # what the mirrored loop does as torch does
+_FOREACH = ("_group_tensors_by_device_and_dtype", "_has_foreach_support", "_device_has_foreach_support")
+
+
+def _structural_check() -> Verdict:
+    import torch.nn.utils.clip_grad as clip
+    import torch.utils._foreach_utils as foreach_utils
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    total = getattr(clip, "_get_total_norm", None)
+    try:
+        parameters = tuple(inspect.signature(_compat.innermost(total)).parameters)
+    except (TypeError, ValueError):
+        parameters = ()
+    if parameters != _READS:
+        return unsupported(f"clip_grad._get_total_norm{parameters or '()'} is not ({', '.join(_READS)})")
+    if not _compat.reads_names(getattr(clip, "clip_grad_norm_", None), "_get_total_norm"):
+        return unsupported("clip_grad_norm_ does not call _get_total_norm")
+    names = _names_read(_compat.code_of(total))
+    if "device_mesh" in names or "device_type" in names:
+        return not_needed("_get_total_norm reduces the norms on the mesh's device itself", conclusive=True)
+    if not _compat.reads_names(total, *_LOOP):
+        return unsupported("_get_total_norm does not norm per (device, dtype) group with _foreach_norm / "
+                           "vector_norm and stack the norms")
+    missing = [f"torch.utils._foreach_utils.{n}" for n in _FOREACH if not hasattr(foreach_utils, n)]
+    missing += [f"DTensor.{n}" for n in ("from_local", "to_local", "redistribute", "device_mesh", "placements")
+                if not hasattr(DTensor, n)]
+    missing += [f"DeviceMesh.{n}" for n in ("get_group", "size", "ndim", "device_type") if not hasattr(DeviceMesh, n)]
+    missing += [] if hasattr(ProcessGroup, "_device_types") else ["ProcessGroup._device_types"]
+    if missing:
+        return unsupported(f"not found: {', '.join(missing)}")
+    return needed("_get_total_norm reduces DTensor gradients' partial norms on the device the gradients "
+                  "live on, which a process group without a backend for it (NCCL and CPU offload) refuses")
+
+
+def _names_read(code) -> set:
+    """The names a code object reads, nested code objects (comprehensions) included. Not imported
+    from clip_grad_norm_multi_mesh: each entry's module loads on its own."""
+    names = set(code.co_names) if code is not None else set()
+    for const in code.co_consts if code is not None else ():
+        if isinstance(const, type(code)):
+            names |= _names_read(const)
+    return names
+
+
+def _dtensor_class():
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def _device_types(group) -> set | None:
+    """The device types ``group`` has a backend for; None where it does not say (then: served)."""
+    devices = getattr(group, "_device_types", None)
+    return None if devices is None else {device.type for device in devices}
+
+
+def _stranded(tensors) -> Any | None:
+    """The mesh whose groups cannot reduce where some of ``tensors`` live, or None: every tensor a
+    DTensor on one mesh, and a mesh dimension of more than one rank on which some tensor is not
+    replicated has a group without a backend for that tensor's device type but with one for the
+    mesh's ``device_type`` (torch's path, where the bug strikes)."""
+    dtensor = _dtensor_class()
+    if dtensor is None or not tensors or not all(isinstance(t, dtensor) for t in tensors):
+        return None
+    mesh = tensors[0].device_mesh
+    if any(t.device_mesh is not mesh and t.device_mesh != mesh for t in tensors):
+        return None  # several meshes: clip_grad_norm_multi_mesh's (or torch's own error)
+    where = {t.device.type for t in tensors}
+    if where == {mesh.device_type}:
+        return None  # everything on the mesh's device: torch's own path works (the common case)
+    dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1
+            and any(not t.placements[d].is_replicate() for t in tensors)]
+    stranded = False
+    for dim in dims:
+        served = _device_types(mesh.get_group(dim))
+        if served is None:
+            continue
+        if mesh.device_type not in served:
+            return None  # nowhere to reduce: torch's own error
+        stranded = stranded or bool(where - served)
+    return mesh if stranded else None
+
+
+def _norms_where_they_live(tensors, norm_type: float, foreach):
+    """Torch's per-tensor norms, computed as ``_get_total_norm`` computes them (per (device, dtype)
+    group, ``_foreach_norm`` or one ``vector_norm`` each), in torch's order; None where torch would
+    raise its own ``foreach=True`` error."""
+    from torch.utils._foreach_utils import (
+        _device_has_foreach_support,
+        _group_tensors_by_device_and_dtype,
+        _has_foreach_support,
+    )
+
+    norms = []
+    for (device, _), ([device_tensors], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+        if (foreach is None and _has_foreach_support(device_tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            norms.extend(torch._foreach_norm(device_tensors, norm_type))
+        elif foreach:
+            return None
+        else:
+            norms.extend(torch.linalg.vector_norm(g, norm_type) for g in device_tensors)
+    return norms
+
+
+def _to_mesh_device(norm):
+    """A 0-dim partial norm on its mesh's device: its local value moved (``from_local`` puts it on
+    ``device_mesh.device_type``), its placements kept; no collective."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(norm.to_local(), norm.device_mesh, norm.placements, run_check=False)
+
+
+def _to_home(total, device):
+    """The replicated total on ``device`` (where torch puts it): a local copy, no collective."""
+    return total.to(device)
+
+
+def _reduce(norms, norm_type: float):
+    """Torch's ``vector_norm(stack(norms))`` of the partial norms, then replicated: the collectives."""
+    from torch.distributed.tensor import Replicate
+
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if any(placement.is_partial() for placement in total.placements):
+        total = total.redistribute(total.device_mesh, [Replicate()] * total.device_mesh.ndim)
+    return total
+
+
+def _total_norm_on_mesh_device(wrapped, instance, args, kwargs):
+    tensors = wrapped.argument("tensors")
+    if isinstance(tensors, torch.Tensor):
+        listed = [tensors]
+    else:
+        listed = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+        if listed is not tensors:
+            wrapped.rebind(tensors=listed)  # an iterator is read once: torch (and a fallback) get the list
+    mesh = _stranded(listed)
+    if mesh is None:
+        return wrapped.again()  # the caller's arguments, every one as it came
+    norm_type = float(wrapped.argument("norm_type"))
+    with torch.no_grad():
+        norms = _norms_where_they_live(listed, norm_type, wrapped.argument("foreach"))
+        if norms is None:
+            return wrapped.again()  # torch raises its own foreach=True error before any collective
+        _fired(listed, mesh)
+        moved = [_to_mesh_device(norm) for norm in norms]
+        total = _isolation.torch_call(_reduce, moved, norm_type)
+        if wrapped.argument("error_if_nonfinite") and bool(torch.logical_or(total.isnan(), total.isinf())):
+            # torch's own message, from torch's function on the (plain) non-finite total
+            wrapped.again(tensors=[total.to_local()], error_if_nonfinite=True)
+        return _to_home(total, listed[0].device)
+
+
+def _fired(tensors, mesh) -> None:
+    where = ", ".join(sorted({t.device.type for t in tensors}))
+    _events.fired(
+        NAME,
+        "RuntimeError: No backend type associated with device type cpu",
+        f"the total norm of {len(tensors)} gradients on {where}: partial norms reduced on "
+        f"{mesh.device_type} (a {tuple(mesh.mesh.shape)} mesh)",
+    )
+
+
+def _public(name):
+    return lambda: hasattr(sys.modules.get(_UTILS), name)
+
+
+def _replace(path: str, when=None) -> Wrap:
+    """A plain function in place of torch's, not a wrapt proxy (``torch.compile`` traces user code
+    that calls it: see ``clip_grad_norm_multi_mesh._replace``); torch's function is called again
+    with the caller's arguments should our code raise (a pure function)."""
+    return Wrap(path, _total_norm_on_mesh_device, when=when, reads=_READS, proxy=False, after_torch=CALL_AGAIN)
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="clip_grad_norm_ works with CPUOffloadPolicy on an NCCL-only process group",
+    symptom="RuntimeError: No backend type associated with device type cpu",
+    trigger="clip_grad_norm_ / get_total_norm over FSDP2 gradients offloaded to the CPU "
+            "(CPUOffloadPolicy) when the process group has no CPU backend (init_process_group('nccl'))",
+    upstream=("NeMo Automodel PR 3461", "torchtune PR 2108", "axolotl issue 3058"),
+    # Reproduced on 2.13 with a CPU stand-in (a group that serves cuda only); on CUDA: read, not run.
+    # 2.8 - 2.12, 2.14 and 2.15: read, not run (the same _get_total_norm; DTensor reduces where the
+    # local tensor lives). <2.16 is the end of what was read, not a fix.
+    affected=">=2.8,<2.16",
+    check=_structural_check,
+    targets=(
+        _replace(f"{_CLIP}:_get_total_norm"),
+        _replace(f"{_UTILS}:get_total_norm", when=_public("get_total_norm")),
+    ),
+    changes="offloaded gradients' partial norms are reduced on the mesh's device",
+)
