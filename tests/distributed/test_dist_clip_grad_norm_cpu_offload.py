@@ -110,5 +110,6 @@ def test_a_total_of_inf_is_the_max_over_ranks(patched):
     want = sc.reference("1d/clip/inf/none/fp32")["total"]
     assert not math.isnan(want)
     for rank in patched.ranks:
-        assert _rec(rank, "1d/clip/inf/none/fp32/control")["total_placements"] == ["P(max)"]
+        (placement,) = _rec(rank, "1d/clip/inf/none/fp32/control")["total_placements"]
+        assert placement in ("P(max)", "P"), placement  # Partial: torch 2.8 prints it "P"
         assert _rec(rank, "1d/clip/inf/none/fp32")["total"] == pytest.approx(want)

@@ -117,7 +117,10 @@ def _structural_check() -> Verdict:
     missing = [f"torch.utils._foreach_utils.{n}" for n in _FOREACH if not hasattr(foreach_utils, n)]
     missing += [f"DTensor.{n}" for n in ("from_local", "to_local", "redistribute", "device_mesh", "placements")
                 if not hasattr(DTensor, n)]
-    missing += [f"DeviceMesh.{n}" for n in ("get_group", "size", "ndim", "device_type") if not hasattr(DeviceMesh, n)]
+    missing += [f"DeviceMesh.{n}" for n in ("get_group", "size", "ndim") if not hasattr(DeviceMesh, n)]
+    # a property from 2.9 on (read), an attribute its __init__ sets in 2.8 (measured)
+    if not hasattr(DeviceMesh, "device_type") and not _compat.reads_names(DeviceMesh.__init__, "device_type"):
+        missing.append("DeviceMesh.device_type")
     missing += [] if hasattr(ProcessGroup, "_device_types") else ["ProcessGroup._device_types"]
     if missing:
         return unsupported(f"not found: {', '.join(missing)}")
