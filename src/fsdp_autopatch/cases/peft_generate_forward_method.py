@@ -1,0 +1,122 @@
+"""peft_generate_forward_method's case: ``generate()`` on a LoRA ``PeftModel`` that is FSDP2's root (TRL
+issue 4550), with the real ``peft`` package and a tiny transformers Llama built from a config (no download).
+
+The record's ``"params"`` holds the LoRA weights after the training step and, beside them, the token ids
+``generate()`` returned before the first step (``generate.before``) and after it (``generate.after``):
+integers, so "within tolerance of the reference" means equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._common import fsdp_api, listed, sum_reduction
+
+WORLD_SIZE = 2
+NEEDS = ("peft", "transformers")
+WHAT = (
+    "a tiny Llama (built from a config) with LoRA adapters (peft.get_peft_model); fully_shard on each decoder "
+    "layer, then on the PeftModel (the root, as TRL / Accelerate do); greedy generate() before the first training "
+    "step, one SGD step on each rank's batch, generate() again"
+)
+VOCAB = 64
+NEW_TOKENS = 5
+LR = 0.5
+
+
+def model():
+    """The LoRA PeftModel around a 2-layer Llama: the same weights in every process (seeded)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    torch.manual_seed(1)  # init_lora_weights=False: both LoRA matrices random, so A and B both train
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(base, lora)
+
+
+def decoder_layers(peft_model):
+    return peft_model.get_base_model().model.layers
+
+
+def prompt(device: str = "cpu"):
+    import torch
+
+    return torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(7)).to(device)
+
+
+def batch(rank: int, device: str = "cpu"):
+    import torch
+
+    return torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(100 + rank)).to(device)
+
+
+def generate(peft_model, device: str = "cpu") -> list:
+    """Greedy decoding of :func:`prompt`: the token ids (prompt included), as a list."""
+    import torch
+
+    with torch.no_grad():
+        out = peft_model.generate(input_ids=prompt(device), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  pad_token_id=0)
+    return out.cpu().tolist()
+
+
+def loss(peft_model, ids):
+    return peft_model(input_ids=ids, labels=ids).loss
+
+
+def trainable(peft_model) -> dict[str, Any]:
+    return {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard(peft_model, mesh) -> None:
+    """Each decoder layer a unit, then the PeftModel (the root: embedding, final norm, LM head)."""
+    _, _, fully_shard = fsdp_api()
+    for layer in decoder_layers(peft_model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(peft_model, mesh=mesh)
+    sum_reduction(peft_model, *decoder_layers(peft_model))
+
+
+def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
+    import torch
+
+    _, init_device_mesh, _ = fsdp_api()
+    mesh = init_device_mesh(device, (world_size,))
+    peft_model = model().to(device)
+    shard(peft_model, mesh)
+    optimizer = torch.optim.SGD(list(trainable(peft_model).values()), lr=LR)
+    before = generate(peft_model, device)  # before the first step: FSDP2's lazy init has not run
+    loss(peft_model, batch(rank, device)).backward()
+    grads = listed({name: _full(p.grad) for name, p in trainable(peft_model).items() if p.grad is not None})
+    optimizer.step()
+    optimizer.zero_grad()
+    after = generate(peft_model, device)
+    params = listed({name: _full(p) for name, p in trainable(peft_model).items()})
+    return {"grads": grads, "params": {**params, "generate.before": before, "generate.after": after}}
+
+
+def reference(world_size: int) -> dict[str, Any]:
+    """One process, no FSDP2: the mean of every rank's loss (what FSDP2's reduction gives)."""
+    import torch
+
+    peft_model = model()
+    optimizer = torch.optim.SGD(list(trainable(peft_model).values()), lr=LR)
+    before = generate(peft_model)
+    for rank in range(world_size):
+        (loss(peft_model, batch(rank)) / world_size).backward()
+    grads = listed({name: p.grad for name, p in trainable(peft_model).items() if p.grad is not None})
+    optimizer.step()
+    optimizer.zero_grad()
+    after = generate(peft_model)
+    params = listed(trainable(peft_model))
+    return {"grads": grads, "params": {**params, "generate.before": before, "generate.after": after}}
