@@ -24,24 +24,33 @@ NEW_TOKENS = 5
 LR = 0.5
 
 
-def model():
-    """The LoRA PeftModel around a 2-layer Llama: the same weights in every process (seeded)."""
+def base_model():
+    """A 2-layer Llama built from a config: the same weights in every process (seeded)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
-    base = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def model():
+    """The LoRA PeftModel around :func:`base_model`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base = base_model()
     torch.manual_seed(1)  # init_lora_weights=False: both LoRA matrices random, so A and B both train
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     return get_peft_model(base, lora)
 
 
-def decoder_layers(peft_model):
-    return peft_model.get_base_model().model.layers
+def decoder_layers(any_model):
+    """The decoder layers of a PeftModel's base model, or of the Llama itself."""
+    base = any_model.get_base_model() if hasattr(any_model, "get_base_model") else any_model
+    return base.model.layers
 
 
 def prompt(device: str = "cpu"):
@@ -87,36 +96,46 @@ def shard(peft_model, mesh) -> None:
     sum_reduction(peft_model, *decoder_layers(peft_model))
 
 
-def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
+def train(sharded, rank: int, world_size: int, device: str = "cpu", before: bool = True, after: bool = True):
+    """On every rank: ``generate()`` (before the first step), one SGD step on the rank's batch, ``generate()``
+    again (after it); the record (see the module docstring)."""
     import torch
 
+    optimizer = torch.optim.SGD(list(trainable(sharded).values()), lr=LR)
+    ids = {"generate.before": generate(sharded, device)} if before else {}  # FSDP2's lazy init has not run
+    loss(sharded, batch(rank, device)).backward()
+    grads = listed({name: _full(p.grad) for name, p in trainable(sharded).items() if p.grad is not None})
+    optimizer.step()
+    optimizer.zero_grad()
+    if after:
+        ids["generate.after"] = generate(sharded, device)
+    params = listed({name: _full(p) for name, p in trainable(sharded).items()})
+    return {"grads": grads, "params": {**params, **ids}}
+
+
+def one_process(plain, world_size: int, before: bool = True, after: bool = True) -> dict[str, Any]:
+    """:func:`train` in one process without FSDP2: the mean of every rank's loss (FSDP2's reduction)."""
+    import torch
+
+    optimizer = torch.optim.SGD(list(trainable(plain).values()), lr=LR)
+    ids = {"generate.before": generate(plain)} if before else {}
+    for rank in range(world_size):
+        (loss(plain, batch(rank)) / world_size).backward()
+    grads = listed({name: p.grad for name, p in trainable(plain).items() if p.grad is not None})
+    optimizer.step()
+    optimizer.zero_grad()
+    if after:
+        ids["generate.after"] = generate(plain)
+    return {"grads": grads, "params": {**listed(trainable(plain)), **ids}}
+
+
+def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     _, init_device_mesh, _ = fsdp_api()
     mesh = init_device_mesh(device, (world_size,))
     peft_model = model().to(device)
     shard(peft_model, mesh)
-    optimizer = torch.optim.SGD(list(trainable(peft_model).values()), lr=LR)
-    before = generate(peft_model, device)  # before the first step: FSDP2's lazy init has not run
-    loss(peft_model, batch(rank, device)).backward()
-    grads = listed({name: _full(p.grad) for name, p in trainable(peft_model).items() if p.grad is not None})
-    optimizer.step()
-    optimizer.zero_grad()
-    after = generate(peft_model, device)
-    params = listed({name: _full(p) for name, p in trainable(peft_model).items()})
-    return {"grads": grads, "params": {**params, "generate.before": before, "generate.after": after}}
+    return train(peft_model, rank, world_size, device)
 
 
 def reference(world_size: int) -> dict[str, Any]:
-    """One process, no FSDP2: the mean of every rank's loss (what FSDP2's reduction gives)."""
-    import torch
-
-    peft_model = model()
-    optimizer = torch.optim.SGD(list(trainable(peft_model).values()), lr=LR)
-    before = generate(peft_model)
-    for rank in range(world_size):
-        (loss(peft_model, batch(rank)) / world_size).backward()
-    grads = listed({name: p.grad for name, p in trainable(peft_model).items() if p.grad is not None})
-    optimizer.step()
-    optimizer.zero_grad()
-    after = generate(peft_model)
-    params = listed(trainable(peft_model))
-    return {"grads": grads, "params": {**params, "generate.before": before, "generate.after": after}}
+    return one_process(model(), world_size)
