@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import fsdp_api, listed, sum_reduction
+from ._common import fsdp_api, judge_against_reference, listed, sum_reduction
 
 WORLD_SIZE = 2
 NEEDS = ("peft", "transformers")
@@ -139,3 +139,12 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
 
 def reference(world_size: int) -> dict[str, Any]:
     return one_process(model(), world_size)
+
+
+def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:
+    """Right: the ids of both ``generate()`` calls, the gradients and the LoRA weights equal the reference's."""
+    right, text = judge_against_reference(record, reference)
+    ids = [key for key in ("generate.before", "generate.after") if key in reference["params"]]
+    same = all(record.get("params", {}).get(key) == reference["params"][key] for key in ids)
+    return right and same, f"generate() ids before and after the step {'equal' if same else 'differ from'} the " \
+        f"reference's; {text}"
