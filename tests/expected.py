@@ -45,6 +45,7 @@ PATCHES = (
     "dcp_optimizer_state_init",  # waits for torch.distributed.checkpoint.state_dict (Entry.waits_for)
     "inference_mode_first_forward",
     "unmanaged_trainable_params_guard",  # a guard (kind GUARD)
+    "peft_generate_forward_method",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -67,6 +68,7 @@ BUG_OF = {
     "inference_mode_first_forward": "q",  # no upstream issue; PyTorch PR 197327 fixed another crash
     "unmanaged_trainable_params_guard": "r",  # transformers PR 48792, FastVideo PR 1666
     "clip_grad_norm_cpu_offload": "u",  # NeMo Automodel PR 3461, torchtune PR 2108, axolotl issue 3058
+    "peft_generate_forward_method": "t",  # TRL issue 4550
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -155,6 +157,9 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "inference_mode_first_forward": "applied",
         # (r) fully_shard manages what it saw: measured 2.13, 2.15; read 2.6 - 2.12, 2.14
         "unmanaged_trainable_params_guard": "applied",
+        # (t) FSDP2 runs its hooks around forward only: measured 2.13; read 2.14.1, 2.15.0; 2.6 - 2.12 the same
+        # register_fsdp_forward_method (PR 125394, 2.4), not read: the matrix measures the check there
+        "peft_generate_forward_method": "applied",
     }
 
 
@@ -217,6 +222,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # associated with device type cpu" on every rank); on CUDA with NCCL read, not run (its case, NEEDS cuda:
         # the GPU check's); read, not run, 2.8 - 2.12, 2.14, 2.15 (the same _get_total_norm)
         "u": REPRODUCES,
+        # (t) measured 2.13 (peft 0.21, transformers 5.25: the mixed Tensor / DTensor error at the first op on the
+        # root's parameters, before and after the first step); not a torch change: any FSDP2 release alike
+        "t": REPRODUCES,
     }
 
 
@@ -380,6 +388,15 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "on": {"error": "GuardError: fsdp-autopatch guard unmanaged_trainable_params_guard: SGD holds 1 "
                             "trainable parameter(s) that FSDP2 does not manage"},
             "off": {**COMPLETED, "params": WRONG, "values": {"adapters_apart": True}},
+        },
+        # (t) generate() on the PeftModel root never runs the root's pre-forward: its embedding is still a sharded
+        # DTensor (measured 2.13 without the colon; 2.14.1 / 2.15.0 sources write "<op>: got mixed"); with the
+        # patch the ids generate() returns before and after the step, the grads and the LoRA weights equal the
+        # one-process reference (params holds the ids beside the weights)
+        "peft_generate_forward_method": {
+            "on": {**COMPLETED, "grads": REFERENCE, "params": REFERENCE},
+            "off": {"error": ("RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor",
+                              "RuntimeError: aten.embedding.default: got mixed torch.Tensor and DTensor")},
         },
     }
 

@@ -39,6 +39,8 @@ switchable by an environment variable, and a registry records what happened:
                                            does not break training.
 * ``unmanaged_trainable_params_guard``   – trainable parameters FSDP2 does not manage (adapters added after fully_shard)
                                            stop the first step where the ranks' copies differ.
+* ``peft_generate_forward_method``       – `generate()` on a PEFT model that is FSDP2's root runs inside the root's
+                                           pre-/post-forward.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
