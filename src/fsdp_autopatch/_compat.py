@@ -202,6 +202,17 @@ def has_string_constant(func: Any, fragment: str) -> bool:
     return code is not None and any(isinstance(c, str) and fragment in c for c in code.co_consts)
 
 
+def names_read(code: Any) -> set:
+    """The names a code object reads, its comprehensions and nested functions included (a function
+    that reads ``t.full_tensor()`` inside a list comprehension reads it in a nested code object);
+    empty for None."""
+    names = set(code.co_names) if code is not None else set()
+    for const in code.co_consts if code is not None else ():
+        if isinstance(const, type(code)):
+            names |= names_read(const)
+    return names
+
+
 def nested_code(func: Any, name: str) -> Any:
     """The code object of a function defined inside ``func`` (at any depth) under ``name``, or
     None: a closure torch builds per call (a hook factory's inner hook) is only visible there."""

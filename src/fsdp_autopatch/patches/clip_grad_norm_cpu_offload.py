@@ -108,7 +108,7 @@ def _structural_check() -> Verdict:
         return unsupported(f"clip_grad._get_total_norm{parameters or '()'} is not ({', '.join(_READS)})")
     if not _compat.reads_names(getattr(clip, "clip_grad_norm_", None), "_get_total_norm"):
         return unsupported("clip_grad_norm_ does not call _get_total_norm")
-    names = _names_read(_compat.code_of(total))
+    names = _compat.names_read(_compat.code_of(total))
     if "device_mesh" in names or "device_type" in names:
         return not_needed("_get_total_norm reduces the norms on the mesh's device itself", conclusive=True)
     if not _compat.reads_names(total, *_LOOP):
@@ -126,16 +126,6 @@ def _structural_check() -> Verdict:
         return unsupported(f"not found: {', '.join(missing)}")
     return needed("_get_total_norm reduces DTensor gradients' partial norms on the device the gradients "
                   "live on, which a process group without a backend for it (NCCL and CPU offload) refuses")
-
-
-def _names_read(code) -> set:
-    """The names a code object reads, nested code objects (comprehensions) included. Not imported
-    from clip_grad_norm_multi_mesh: each entry's module loads on its own."""
-    names = set(code.co_names) if code is not None else set()
-    for const in code.co_consts if code is not None else ():
-        if isinstance(const, type(code)):
-            names |= _names_read(const)
-    return names
 
 
 def _dtensor_class():

@@ -93,22 +93,12 @@ def _structural_check() -> Verdict:
         )
     if not _compat.reads_names(getattr(clip, "clip_grad_norm_", None), "_get_total_norm", "_clip_grads_with_norm_"):
         return unsupported("clip_grad_norm_ does not call _get_total_norm and _clip_grads_with_norm_")
-    names = _names_read(_compat.code_of(total))
+    names = _compat.names_read(_compat.code_of(total))
     if "full_tensor" in names or any("mesh" in name for name in names):
         return not_needed("_get_total_norm handles DeviceMeshes itself", conclusive=True)
     if not _compat.reads_names(total, "stack", "_group_tensors_by_device_and_dtype"):
         return unsupported("_get_total_norm does not stack norms grouped by (device, dtype)")
     return needed("_get_total_norm stacks per-gradient norms grouped by (device, dtype), not by DeviceMesh")
-
-
-def _names_read(code) -> set:
-    """The names a code object reads, its comprehensions and nested functions included (a fix that
-    reads ``t.full_tensor()`` inside a list comprehension reads it in a nested code object)."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, type(code)):
-            names |= _names_read(const)
-    return names
 
 
 def _mesh_groups(tensors):
