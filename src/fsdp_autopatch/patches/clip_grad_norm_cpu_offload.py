@@ -265,9 +265,8 @@ PATCH = Patch(
     trigger="clip_grad_norm_ / get_total_norm over FSDP2 gradients offloaded to the CPU "
             "(CPUOffloadPolicy) when the process group has no CPU backend (init_process_group('nccl'))",
     upstream=("NeMo Automodel PR 3461", "torchtune PR 2108", "axolotl issue 3058"),
-    # Reproduced on 2.13 with a CPU stand-in (a group that serves cuda only); on CUDA: read, not run.
-    # 2.8 - 2.12, 2.14 and 2.15: read, not run (the same _get_total_norm; DTensor reduces where the
-    # local tensor lives). <2.16 is the end of what was read, not a fix.
+    # Reproduced and fixed on 2.8 - 2.15 with a CPU stand-in (a group that serves cuda only; 2.15 in
+    # CI's matrix row); on CUDA: read, not run. <2.16 is the end of what was measured, not a fix.
     affected=">=2.8,<2.16",
     check=_structural_check,
     targets=(

@@ -184,8 +184,8 @@ PATCH = Patch(
     trigger="fully_shard applied to a PeftModel (the root, as TRL / Accelerate do) and generate() called on it, "
             "before or after the first training step, without register_fsdp_forward_method(model, 'generate')",
     upstream=("TRL issue 4550", "PyTorch PR 125394 (register_fsdp_forward_method)"),
-    # measured 2.13; read 2.14.1, 2.15.0. <2.16 means "measured up to 2.15", not "fixed in 2.16":
-    # on a later release the check decides. 2.6 - 2.12: the same API (PR 125394, 2.4), not read here.
+    # measured 2.8 - 2.15 (2.15 in CI's matrix row). <2.16 means "measured up to 2.15", not "fixed in
+    # 2.16": on a later release the check decides. 2.6, 2.7: the same API (PR 125394, 2.4), not run.
     affected=">=2.6,<2.16",
     check=_structural_check,
     targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState.init", _install_on_peft_module,

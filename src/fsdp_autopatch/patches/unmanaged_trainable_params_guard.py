@@ -268,7 +268,7 @@ PATCH = Patch(
     "passed as ignored_params, and not kept in sync by the user",
     upstream=("transformers PR 48792", "transformers PR 48873", "transformers PR 48204", "FastVideo PR 1666",
               "allenai/molmoact2 issue 35"),
-    # read in 2.6 - 2.15 (fully_shard manages what it saw); measured on 2.13 and 2.15
+    # read in 2.6 - 2.15 (fully_shard manages what it saw); measured on 2.8 - 2.15
     affected=">=2.6,<2.16",
     check=_structural_check,
     targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState._lazy_init", _record_root),),
