@@ -35,12 +35,16 @@ def structural_problem() -> str | None:
     """What the entries rely on in this torch that is not there (None: everything is)."""
     group = _compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup")
     post_backward = _compat.class_attr(group, "post_backward")
-    if post_backward is None or not _compat.reads_names(post_backward, "reduce_grads", "unsharded_accumulated_grad"):
-        return "FSDPParamGroup.post_backward does not keep gradients by reduce_grads / unsharded_accumulated_grad"
+    if post_backward is None or not _compat.reads_names(post_backward, "reduce_grads"):
+        return "FSDPParamGroup.post_backward does not keep gradients by reduce_grads"
     fsdp_param = _compat.fsdp_class("_fsdp_param", "FSDPParam")
+    # 2.15: the leaf's own gradient, in its accumulation dtype (unsharded_accumulated_grad is a
+    # property reading it); up to 2.14: the leaf's gradient, or a copy in reduce_dtype
+    on_leaf = isinstance(_compat.class_attr(fsdp_param, "unsharded_accumulated_grad"), property)
     accumulate = _compat.class_attr(fsdp_param, "to_accumulated_grad_if_needed")
-    if accumulate is None or not _compat.reads_names(accumulate, "_unsharded_param", "unsharded_accumulated_grad"):
-        return "FSDPParam.to_accumulated_grad_if_needed does not keep the gradient on _unsharded_param"
+    if not on_leaf and (accumulate is None or not _compat.reads_names(
+            accumulate, "_unsharded_param", "unsharded_accumulated_grad")):
+        return "FSDPParam keeps no gradient on _unsharded_param / unsharded_accumulated_grad"
     import torch.optim.optimizer as optimizer_module
 
     if not callable(getattr(optimizer_module, "register_optimizer_step_pre_hook", None)):
@@ -93,11 +97,15 @@ def discard(found: list[tuple[Any, list[Any]]]) -> None:
             unsharded = _compat.unsharded_param(fsdp_param)
             if unsharded is not None:
                 unsharded.grad = None
-            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:  # up to 2.14 (2.15: the leaf's)
                 fsdp_param.unsharded_accumulated_grad = None
-        # the partial output is one buffer for the whole unit: dropped only with all of its parameters
+        # the partial output is one buffer for the whole unit: dropped only with all of its parameters,
+        # as torch's own reset does (2.15 also keeps where each parameter lies in it)
         if len(fsdp_params) == len(group.fsdp_params):
             group._partial_reduce_output = None
+            layout = getattr(group, "_partial_reduce_output_layout", None)
+            if layout:
+                layout.clear()
         if not keeps_gradients(group):
             _kept.discard(group)
 

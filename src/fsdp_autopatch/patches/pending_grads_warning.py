@@ -20,10 +20,11 @@ Torch versions
     2.15). No torch release warns.
 
 Needed here?
-    ``FSDPParamGroup.post_backward`` keeps gradients by ``reduce_grads`` and
-    ``unsharded_accumulated_grad``, ``FSDPParam.to_accumulated_grad_if_needed`` keeps them on
-    ``_unsharded_param``, and ``torch.optim.optimizer`` has ``register_optimizer_step_pre_hook`` ->
-    needed. Anything else -> unsupported (torch left as it is).
+    ``FSDPParamGroup.post_backward`` keeps gradients by ``reduce_grads``; ``FSDPParam`` keeps them
+    on ``_unsharded_param`` (up to 2.14 ``to_accumulated_grad_if_needed`` moves them to
+    ``unsharded_accumulated_grad``; in 2.15 that is a property reading the leaf's gradient); and
+    ``torch.optim.optimizer`` has ``register_optimizer_step_pre_hook`` -> needed. Anything else ->
+    unsupported (torch left as it is).
 
 What it does
     A wrapper of ``FSDPParamGroup.post_backward`` remembers, after torch's method, the units that

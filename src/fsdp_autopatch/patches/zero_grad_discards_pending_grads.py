@@ -16,15 +16,15 @@ Torch versions
 
 Needed here?
     The same internals as ``pending_grads_warning`` (``FSDPParamGroup.post_backward`` keeping
-    gradients by ``reduce_grads`` / ``unsharded_accumulated_grad``, ``FSDPParam`` keeping them on
-    ``_unsharded_param``) -> needed. Anything else -> unsupported: torch left as it is, and the
+    gradients by ``reduce_grads``, ``FSDPParam`` keeping them on ``_unsharded_param`` /
+    ``unsharded_accumulated_grad``) -> needed. Anything else -> unsupported: torch left as it is, and the
     variable gets a warning saying so.
 
 What it does
     The post-backward wrapper remembers the units that kept gradients. After torch's
     ``Optimizer.zero_grad`` / ``nn.Module.zero_grad``, the kept gradients of the parameters just
-    zeroed are dropped (set to ``None``; HSDP's partial reduce-scatter output only when every
-    parameter of its unit is zeroed: it is one buffer), whatever ``set_to_none`` says (DDP's
+    zeroed are dropped (set to ``None``; HSDP's partial reduce-scatter output, and 2.15's layout of
+    it, only when every parameter of its unit is zeroed: it is one buffer), whatever ``set_to_none`` says (DDP's
     zeroed ``.grad`` holds the window, and ``set_to_none=False`` zeroes it too). One fire per
     ``zero_grad()`` that dropped something. Units outside the zeroed parameters, and every
     ``zero_grad()`` with nothing kept, are left exactly as torch leaves them: a run that never
