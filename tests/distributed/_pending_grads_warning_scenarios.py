@@ -12,6 +12,9 @@ result applies only the second window; FSDP2 keeps the first and reduces it too.
   ``unsharded_accumulated_grad``);
 - ``hsdp``: a 2 x 1 (replicate, shard) mesh with ``set_requires_all_reduce(False)``: the
   reduce-scatter runs and its output waits in ``_partial_reduce_output``;
+- ``hsdp_two_optimizers``: the same HSDP run with one optimizer for the weights and one for the
+  biases, each zeroed (the partial output is one buffer per unit: dropped once both were zeroed);
+- ``hsdp_frozen_bias``: HSDP with the biases frozen (the optimizer never zeroes them);
 - ``clean``: the usual loop (two micro-batches, the sync on for the last, ``zero_grad()`` after the
   step): nothing kept at any ``zero_grad()``, never a warning;
 - ``step_sync_off``: the sync left off for the last micro-batch's backward, then ``step()``.
@@ -31,8 +34,10 @@ import _dist_common as sc
 from _registry import scenario
 from fsdp_autopatch.cases import _common
 
-VARIANTS = ("optimizer_zero_grad", "model_zero_grad", "mixed_precision", "hsdp", "clean", "step_sync_off")
-DISCARDED = ("optimizer_zero_grad", "model_zero_grad", "mixed_precision", "hsdp")  # a window dropped by zero_grad()
+DISCARDED = ("optimizer_zero_grad", "model_zero_grad", "mixed_precision", "hsdp", "hsdp_two_optimizers",
+             "hsdp_frozen_bias")  # a window dropped by zero_grad()
+VARIANTS = (*DISCARDED, "clean", "step_sync_off")
+ZERO_GRADS = {"hsdp_two_optimizers": 2}  # zero_grad() calls that meet kept gradients (1 elsewhere)
 LR = 0.1
 IN, HIDDEN, OUT = 8, 16, 4
 
@@ -50,10 +55,12 @@ def loss_of(model: torch.nn.Module, rank: int, window: int) -> torch.Tensor:
     return model(batch(rank, window)).float().pow(2).sum()
 
 
-def reference(world_size: int, windows: tuple[int, ...]) -> dict[str, Any]:
+def reference(world_size: int, windows: tuple[int, ...], frozen_bias: bool = False) -> dict[str, Any]:
     """One SGD step, in one process, on the mean over the ranks of the gradients of ``windows``
     (DDP's result: ``(1,)``; FSDP2 keeping the discarded window: ``(0, 1)``)."""
     model = build()
+    if frozen_bias:
+        freeze_biases(model)
     for window in windows:
         for rank in range(world_size):
             (loss_of(model, rank, window) / world_size).backward()
@@ -61,12 +68,26 @@ def reference(world_size: int, windows: tuple[int, ...]) -> dict[str, Any]:
     return {name: p.detach().tolist() for name, p in model.named_parameters()}
 
 
+def freeze_biases(model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.endswith("bias"))
+
+
+def _optimizers(model: torch.nn.Module, variant: str) -> list[torch.optim.Optimizer]:
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if variant != "hsdp_two_optimizers":
+        return [torch.optim.SGD([p for _, p in trainable], lr=LR)]
+    return [torch.optim.SGD([p for n, p in trainable if n.endswith(suffix)], lr=LR) for suffix in ("weight", "bias")]
+
+
 def _sharded(ctx: sc.Ctx, variant: str) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build()
-    if variant == "hsdp":
+    if variant == "hsdp_frozen_bias":
+        freeze_biases(model)
+    if variant.startswith("hsdp"):
         mesh = init_device_mesh("cpu", (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (ctx.world_size,))
@@ -80,7 +101,7 @@ def _sharded(ctx: sc.Ctx, variant: str) -> torch.nn.Module:
 
 
 def _sync(model: Any, variant: str, on: bool) -> None:
-    if variant == "hsdp":
+    if variant.startswith("hsdp"):
         model.set_requires_all_reduce(on)
     else:
         model.set_requires_gradient_sync(on)
@@ -88,24 +109,26 @@ def _sync(model: Any, variant: str, on: bool) -> None:
 
 def run_variant(ctx: sc.Ctx, variant: str) -> dict[str, Any]:
     model = _sharded(ctx, variant)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizers = _optimizers(model, variant)
     if variant == "clean":
         _sync(model, variant, False)
         loss_of(model, ctx.rank, 0).backward()
         _sync(model, variant, True)
         loss_of(model, ctx.rank, 1).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        optimizers[0].step()
+        optimizers[0].zero_grad()
         return {"params": _common.full_params(model)}
     _sync(model, variant, False)
     loss_of(model, ctx.rank, 0).backward()  # the window the loop discards
     if variant == "model_zero_grad":
         model.zero_grad()
     elif variant != "step_sync_off":
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
     _sync(model, variant, variant != "step_sync_off")
     loss_of(model, ctx.rank, 1).backward()
-    optimizer.step()
+    for optimizer in optimizers:
+        optimizer.step()
     return {"params": _common.full_params(model)}
 
 

@@ -28,6 +28,9 @@ WARNING = "pending_grads_warning"
 DISCARD = "zero_grad_discards_pending_grads"
 _kept: Any = weakref.WeakSet()  # FSDPParamGroups whose last post-backward kept gradients unreduced
 _warned: set[str] = set()  # one warning per process and kind ("zero_grad", "step")
+# per unit, the FSDPParams zeroed since its last post-backward: HSDP's partial output is one buffer,
+# dropped once every trainable parameter of the unit was zeroed (two optimizers, frozen biases)
+_zeroed: Any = weakref.WeakKeyDictionary()
 _hook: dict[str, Any] = {"handle": None}
 
 
@@ -55,6 +58,7 @@ def structural_problem() -> str | None:
 def remember(wrapped, group, args, kwargs):
     """``FSDPParamGroup.post_backward``: torch's, then remember or forget the unit."""
     result = wrapped(*args, **kwargs)
+    _zeroed.pop(group, None)  # a new backward: what it keeps was not zeroed yet
     if keeps_gradients(group):
         _kept.add(group)
         if _hook["handle"] is None:
@@ -99,9 +103,12 @@ def discard(found: list[tuple[Any, list[Any]]]) -> None:
                 unsharded.grad = None
             if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:  # up to 2.14 (2.15: the leaf's)
                 fsdp_param.unsharded_accumulated_grad = None
-        # the partial output is one buffer for the whole unit: dropped only with all of its parameters,
-        # as torch's own reset does (2.15 also keeps where each parameter lies in it)
-        if len(fsdp_params) == len(group.fsdp_params):
+        # the partial output is one buffer for the whole unit: dropped once every trainable parameter
+        # of it was zeroed (in this call or an earlier one since the backward), as torch's own reset
+        # drops it (2.15 also keeps where each parameter lies in it)
+        zeroed = _zeroed.setdefault(group, set())
+        zeroed.update(id(fp) for fp in fsdp_params)
+        if all(id(fp) in zeroed for fp in group.fsdp_params if fp.sharded_param.requires_grad):
             group._partial_reduce_output = None
             layout = getattr(group, "_partial_reduce_output_layout", None)
             if layout:
@@ -183,6 +190,7 @@ def forget() -> None:
     """Forget the remembered units and the warnings given (a reverted entry; tests)."""
     _kept.clear()
     _warned.clear()
+    _zeroed.clear()
 
 
 def targets(name: str, wrap: Any) -> tuple[Any, ...]:

@@ -245,16 +245,23 @@ def _differing(found: list[tuple[str, Any]], process_group: Any, device: Any) ->
     return [name for (name, _), agrees in zip(found, same.tolist()) if not agrees]
 
 
+def _names(names: list[str]) -> str:
+    more = len(names) - _MAX_NAMED
+    return ", ".join(names[:_MAX_NAMED]) + (f", +{more} more" if more > 0 else "")
+
+
 def _stop(optimizer: Any, found: list[tuple[str, Any]], differ: list[str]) -> Any:
-    more = len(differ) - _MAX_NAMED
-    shown = ", ".join(differ[:_MAX_NAMED]) + (f", +{more} more" if more > 0 else "")
+    # every unmanaged parameter is named, not only those that differ yet: one whose gradient is still
+    # the same on every rank (LoRA's A while B is zero) diverges at a later step, once nothing checks
     return _events.stop(
         NAME,
         f"{type(optimizer).__name__} holds {len(found)} trainable parameter(s) that FSDP2 does not manage (added "
-        f"after fully_shard, or ignored_params), and they already differ between the data-parallel ranks: "
-        f"{shown}. FSDP2 never reduces their gradients, so each rank would go on training its own copy",
-        "Apply the adapters (LoRA, PEFT) before fully_shard so that FSDP2 shards them, or keep them in sync "
-        "yourself: broadcast them from rank 0 once and average their gradients before optimizer.step()",
+        f"after fully_shard, or ignored_params): {_names([name for name, _ in found])}; {len(differ)} of them "
+        f"already differ between the data-parallel ranks: {_names(differ)}. FSDP2 never reduces their gradients, "
+        "so each rank would go on training its own copy",
+        "Apply the adapters (LoRA, PEFT) before fully_shard so that FSDP2 shards them, or keep all of these "
+        "parameters in sync yourself: broadcast them from rank 0 once and average their gradients before "
+        "optimizer.step()",
     )
 
 
