@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from ._events import GuardError, fired
 from ._registry import CALL_TIME_FAILURE, REGISTRY
-from ._spec import CALL_AGAIN
+from ._spec import CALL_AGAIN, TRACED
 
 logger = logging.getLogger("fsdp_autopatch")
 
@@ -218,9 +218,13 @@ class Call:
 # --- isolation --------------------------------------------------------------------------------
 
 
-def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_torch: str) -> Callable[..., Any]:
-    """``wrapper`` isolated at call time; wrapt's signature ``(wrapped, instance, args, kwargs)``."""
+def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_torch: str,
+            dynamo: str = TRACED) -> Callable[..., Any]:
+    """``wrapper`` isolated at call time; wrapt's signature ``(wrapped, instance, args, kwargs)``.
+    ``dynamo`` (``Wrap.dynamo``): while Dynamo traces a call, :data:`~fsdp_autopatch._spec.TRACED`
+    traces ``wrapper``, anything else calls torch's function as it came."""
     compiling = _is_compiling_function()
+    traced = dynamo == TRACED
     module = getattr(wrapper, "__module__", None)  # a third-party patch's failure names its function
 
     retired = []  # non-empty once reverted: a caller that still holds us gets torch's code
@@ -228,9 +232,9 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
     def isolated_wrapper(wrapped, instance, args, kwargs):
         if patch_name in _failed or retired:
             return wrapped(*args, **kwargs)
+        if compiling():  # Dynamo traces this call: aside, or traced without try/except around user code
+            return wrapper(Call(wrapped, args, kwargs, binder), instance, args, kwargs) if traced else wrapped(*args, **kwargs)
         call = Call(wrapped, args, kwargs, binder)
-        if compiling():  # Dynamo traces this: no try/except around the traced user code
-            return wrapper(call, instance, args, kwargs)
         try:
             return wrapper(call, instance, args, kwargs)
         except Exception as error:

@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 import wrapt
 
-from . import _isolation
+from . import _hiding, _isolation
 from ._registry import REGISTRY
-from ._spec import Add, Patch, Wrap
+from ._spec import AS_TORCH, TRACED, Add, Patch, Wrap
 
 _MISSING = object()
 # patch name -> the (owner, attribute, original) triples it replaced, in order
@@ -87,7 +87,10 @@ def binder_for(target: Wrap, owner: Any, original: Any) -> _isolation.Binder:
 def replacement_for(patch_name: str, target: Wrap, owner: Any, original: Any) -> Any:
     """The value that replaces ``original``: the target's wrapper, isolated, bound by name."""
     binder = binder_for(target, owner, original) if target.reads else _isolation.NO_BINDER
-    wrapper = _isolation.isolate(patch_name, target.wrapper, binder, target.after_torch)
+    wrapper = _isolation.isolate(patch_name, target.wrapper, binder, target.after_torch, target.dynamo)
+    hiding = _hiding.hiding_of(original) if target.dynamo == AS_TORCH else None
+    if hiding is not None:  # [Note: hidden as torch hides]
+        return _hiding.hidden_replacement(original, wrapper, is_method(owner, original), hiding)
     return wrap(original, wrapper, proxy=target.proxy)
 
 
@@ -139,9 +142,25 @@ def contract_problem(patch: Patch) -> str | None:
         missing = binder_for(target, owner, original).missing if target.reads else ()
         if missing:
             return f"{_short_name(owner)}.{attribute} has no parameter {', '.join(missing)} (its wrapper reads it)"
+        traced = dynamo_problem(target, original)
+        if traced:
+            return f"{_short_name(owner)}.{attribute}: {traced}"
         hidden = hidden_references(original, owner) if target.everywhere else []
         if hidden:
             return f"{attribute} is also held where it cannot be replaced ({', '.join(hidden)})"
+    return None
+
+
+def dynamo_problem(target: Wrap, original: Any) -> str | None:
+    """Why Dynamo could not trace a ``dynamo=TRACED`` wrapper as declared, or None."""
+    if target.dynamo not in (AS_TORCH, TRACED):
+        return f"Wrap.dynamo {target.dynamo!r} is neither AS_TORCH nor TRACED"
+    if target.dynamo != TRACED:
+        return None
+    if target.proxy:
+        return "its wrapper is declared traced by Dynamo but is a wrapt proxy (Dynamo cannot trace one)"
+    if _hiding.hiding_of(original) is not None:
+        return "torch hides it from Dynamo, and its wrapper is declared traced (it would add graph breaks)"
     return None
 
 

@@ -63,6 +63,10 @@ def unsupported(reason: str) -> Verdict:
 KEEP_RESULT = "keep torch's result"  # return what torch's original returned (our follow-up is skipped)
 CALL_AGAIN = "call torch again"  # call torch's original again with the caller's arguments (pure functions)
 
+# What ``torch.compile`` sees of a wrapper (``Wrap.dynamo``; [Note: hidden as torch hides] in ``_hiding``):
+AS_TORCH = "as torch"  # hidden from Dynamo where torch hides the function; elsewhere, aside while Dynamo traces
+TRACED = "traced"  # Dynamo traces the wrapper itself (torch lets it trace the function: the clip functions)
+
 
 class Wrap(NamedTuple):
     """Replace the callable at ``path`` by a wrapper around it.
@@ -87,6 +91,12 @@ class Wrap(NamedTuple):
     ``torch.compile`` must trace through in user code: dynamo fails on a proxy's closure guard).
     ``after_torch``: :data:`KEEP_RESULT` or :data:`CALL_AGAIN`, what happens when our code raises
     after torch's original already ran (the decision is documented in each patch's docstring).
+    ``dynamo``: :data:`AS_TORCH` (the default): where torch hides the function from Dynamo
+    (``torch._dynamo.disable``: FSDP2's hooks, ``Optimizer.zero_grad``) the replacement is hidden the
+    same way, so a compiled model meets one opaque call where it met one; anywhere else the wrapper
+    steps aside while Dynamo traces (torch's function is called as it came, nothing of ours in the
+    graph). :data:`TRACED`: Dynamo traces the wrapper (it must trace without a graph break; a plain
+    function, ``proxy=False``, of a function torch does not hide: the structural check verifies both).
     """
 
     path: str
@@ -96,6 +106,7 @@ class Wrap(NamedTuple):
     reads: tuple[str, ...] = ()
     proxy: bool = True
     after_torch: str = KEEP_RESULT
+    dynamo: str = AS_TORCH
 
 
 class Add(NamedTuple):

@@ -81,7 +81,7 @@ from typing import Any
 import torch
 
 from .. import _compat, _events, _isolation
-from .._spec import CALL_AGAIN, Patch, Verdict, Wrap, needed, not_needed, unsupported
+from .._spec import CALL_AGAIN, TRACED, Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 NAME = "clip_grad_norm_cpu_offload"
 _CLIP = "torch.nn.utils.clip_grad"
@@ -255,7 +255,8 @@ def _replace(path: str, when=None) -> Wrap:
     """A plain function in place of torch's, not a wrapt proxy (``torch.compile`` traces user code
     that calls it: see ``clip_grad_norm_multi_mesh._replace``); torch's function is called again
     with the caller's arguments should our code raise (a pure function)."""
-    return Wrap(path, _total_norm_on_mesh_device, when=when, reads=_READS, proxy=False, after_torch=CALL_AGAIN)
+    return Wrap(path, _total_norm_on_mesh_device, when=when, reads=_READS, proxy=False, after_torch=CALL_AGAIN,
+                dynamo=TRACED)
 
 
 PATCH = Patch(

@@ -71,7 +71,7 @@ import sys
 import torch
 
 from .. import _compat, _events, _isolation
-from .._spec import CALL_AGAIN, KEEP_RESULT, Patch, Verdict, Wrap, needed, not_needed, unsupported
+from .._spec import CALL_AGAIN, KEEP_RESULT, TRACED, Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _CLIP = "torch.nn.utils.clip_grad"
 _UTILS = "torch.nn.utils"
@@ -198,7 +198,7 @@ def _replace(path: str, wrapper, reads, when=None, after_torch=KEEP_RESULT) -> W
     """A plain function in place of torch's, not a wrapt proxy: ``torch.compile`` traces user code
     that calls these functions, and dynamo's guard on a proxy's ``__closure__`` fails ("Guard
     failed on the same frame it was created"); a plain function is traced like torch's own."""
-    return Wrap(path, wrapper, when=when, reads=reads, proxy=False, after_torch=after_torch)
+    return Wrap(path, wrapper, when=when, reads=reads, proxy=False, after_torch=after_torch, dynamo=TRACED)
 
 
 PATCH = Patch(
