@@ -32,7 +32,6 @@ check makes sure torch does not hide that function and that the replacement is a
 from __future__ import annotations
 
 import functools
-import sys
 import types
 from typing import Any, Callable
 

@@ -233,7 +233,9 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
         if patch_name in _failed or retired:
             return wrapped(*args, **kwargs)
         if compiling():  # Dynamo traces this call: aside, or traced without try/except around user code
-            return wrapper(Call(wrapped, args, kwargs, binder), instance, args, kwargs) if traced else wrapped(*args, **kwargs)
+            if not traced:
+                return wrapped(*args, **kwargs)
+            return wrapper(Call(wrapped, args, kwargs, binder), instance, args, kwargs)
         call = Call(wrapped, args, kwargs, binder)
         try:
             return wrapper(call, instance, args, kwargs)
