@@ -87,6 +87,7 @@ def hidden_replacement(original: Any, isolated_wrapper: Callable[..., Any], meth
     else:
         def ours(*args, **kwargs):
             return isolated_wrapper(inner, None, args, kwargs)
+    functools.update_wrapper(ours, inner)  # the name a wrapper over it sees as ``wrapped.__name__``
 
     replacement = _same_hiding(original, ours)
     functools.update_wrapper(replacement, original)

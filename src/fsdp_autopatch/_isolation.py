@@ -256,6 +256,22 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
     return isolated_wrapper
 
 
+def aside_while_compiling(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, one of ours that torch calls in the user's step (a global optimizer step pre-hook),
+    stepping aside while Dynamo traces it: a compiled step (``torch.compile(optimizer.step)``) holds
+    nothing of ours, no graph break, no guard on our state; it returns None there, as a hook that
+    changes nothing does. [Note: hidden as torch hides] in ``_hiding``."""
+    compiling = _is_compiling_function()
+
+    def hook_outside_dynamo(*args, **kwargs):
+        if compiling():
+            return None
+        return hook(*args, **kwargs)
+
+    hook_outside_dynamo.__wrapped__ = hook  # type: ignore[attr-defined]
+    return hook_outside_dynamo
+
+
 def retire(isolated_wrapper: Any) -> None:
     """A reverted wrapper passes every call straight to what it wraps, for whoever still holds it
     (a framework that wrapped ours after us keeps calling it)."""

@@ -64,7 +64,7 @@ def remember(wrapped, group, args, kwargs):
         if _hook["handle"] is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            _hook["handle"] = register_optimizer_step_pre_hook(_before_step)
+            _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(_before_step))
     else:
         _kept.discard(group)
     return result

@@ -129,10 +129,10 @@ def _structural_check() -> Verdict:
 
 
 def _strikes() -> bool:
-    """Whether this call runs in inference mode (and not while torch.compile traces it)."""
+    """Whether this call runs in inference mode."""
     import torch
 
-    return torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+    return torch.is_inference_mode_enabled()
 
 
 def _mode_off(wrapped, args, kwargs):

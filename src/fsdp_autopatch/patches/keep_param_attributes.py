@@ -51,7 +51,7 @@ The replacement
       replaced, and its carried attributes are mirrored onto ``param``. A swap whose attributes
       already match takes a fast path that compares object identities only. While Dynamo traces
       FSDP2's hooks (``torch._dynamo.config.skip_fsdp_hooks = False``, an option 2.8 and 2.10
-      have and 2.13 no longer has) it steps aside.
+      have and 2.13 no longer has) it steps aside (``Wrap.dynamo``'s default).
     * ``FSDPModule._apply`` wrapped (``model.to(...)``, ``.float()``, ``to_empty()``):
       ``nn.Module._apply`` swaps a DTensor parameter's contents with ``torch.utils.swap_tensors``,
       ``__dict__`` included; the unit's attributes are saved before and mirrored back after.
@@ -217,11 +217,6 @@ def _carry(fsdp_param: Any, source_attrs: dict, target: Any, how: str) -> None:
 
 
 def _keep_attributes(wrapped, fsdp_param, args, kwargs):
-    if torch.compiler.is_compiling():
-        # Dynamo traces FSDP2's hooks (skip_fsdp_hooks=False, torch 2.8): vars() of a DTensor
-        # would break the graph. The sharded parameters got their attributes eagerly at
-        # fully_shard and keep them; only the unsharded one inside the compiled region lacks them.
-        return wrapped(*args, **kwargs)
     incoming = wrapped.argument("param")
     outgoing = _param_on_module(fsdp_param)
     if outgoing is not None and incoming is not None and outgoing is not incoming:

@@ -73,7 +73,7 @@ _MAX_NAMED = 4  # the error names the first few parameters
 # id(unsharded parameter) -> (weakref to it, weakref to its FSDPParam)
 _unsharded: dict[int, tuple[Any, Any]] = {}
 _checked: Any = weakref.WeakSet()  # optimizers whose parameters were checked and found right
-_hook: dict[str, Any] = {"handle": None, "is_compiling": None}
+_hook: dict[str, Any] = {"handle": None}
 
 
 def _structural_check() -> Verdict:
@@ -134,15 +134,12 @@ def record(fsdp_param: Any) -> None:
     if _hook["handle"] is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _hook["handle"] = register_optimizer_step_pre_hook(check_before_step)
+        _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
 
 
 def _record_unsharded(wrapped, fsdp_param, args, kwargs):
     result = wrapped(*args, **kwargs)
-    if _hook["is_compiling"] is None:
-        _hook["is_compiling"] = _isolation._is_compiling_function()
-    if not _hook["is_compiling"]():  # a traced unshard: nothing of ours in the graph
-        record(fsdp_param)
+    record(fsdp_param)
     return result
 
 

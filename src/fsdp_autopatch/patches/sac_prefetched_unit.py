@@ -55,8 +55,8 @@ The replacement
     restored exactly (``finally``). FSDP2's ops are then never policy-checked, counted, cached or
     looked up; the user's ops, which run between the hooks, keep their policy decisions and their
     invocation indices; every other dispatch mode (below SAC, or pushed above it: a FLOP counter,
-    DebugMode) still sees FSDP2's ops. Under ``torch.compile`` (SAC is a higher-order op there,
-    the eager stack is not involved) the wrapper passes through. Applied after
+    DebugMode) still sees FSDP2's ops. Under ``torch.compile`` both wrappers are hidden from Dynamo
+    as torch's hooks are (``Wrap.dynamo``'s default): they run eagerly, where the eager stack is. Applied after
     ``stale_backward_recovery`` (``after``), so it is the outer wrapper of ``_pre_forward`` and that
     patch's code runs outside SAC too.
 
@@ -206,7 +206,7 @@ class OutsideSac:
 
 
 def _outside_sac(wrapped, args, kwargs, hook: str):
-    if torch._C._len_torch_dispatch_stack() == 0 or torch.compiler.is_compiling():
+    if torch._C._len_torch_dispatch_stack() == 0:
         return wrapped(*args, **kwargs)
     outside = OutsideSac()
     if not outside.enter(_sac_mode_types()):

@@ -134,11 +134,7 @@ def _stale_units(root: Any) -> str:
 
 
 def _recover_before_forward(wrapped, state, args, kwargs):
-    if (
-        not torch.compiler.is_compiling()
-        and getattr(state._state_ctx, _QUEUED, False)
-        and not _in_backward()
-    ):
+    if getattr(state._state_ctx, _QUEUED, False) and not _in_backward():
         root = _root_of(state)
         if root is not None:
             _automatic.where = _stale_units(root)

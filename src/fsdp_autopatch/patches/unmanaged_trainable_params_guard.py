@@ -70,7 +70,7 @@ NAME = "unmanaged_trainable_params_guard"
 _MAX_NAMED = 4  # the error names the first few parameters
 _roots: list[tuple[Any, Any]] = []  # (weakref to the root module, weakref to its FSDPState)
 _checked: Any = weakref.WeakSet()  # optimizers whose first step was checked and found right
-_hook: dict[str, Any] = {"handle": None, "is_compiling": None}
+_hook: dict[str, Any] = {"handle": None}
 
 
 def _structural_check() -> Verdict:
@@ -96,8 +96,6 @@ def _structural_check() -> Verdict:
 
 def _record_root(wrapped, state, args, kwargs):
     result = wrapped(*args, **kwargs)
-    if _hook["is_compiling"] is None:
-        _hook["is_compiling"] = _isolation._is_compiling_function()
     if vars(state).get("_is_root") and not vars(state).get("_fsdp_autopatch_root_recorded"):
         state._fsdp_autopatch_root_recorded = True  # _lazy_init returns at once after the first: stay cheap
         modules = tuple(getattr(state, "_modules", ()))
@@ -107,7 +105,7 @@ def _record_root(wrapped, state, args, kwargs):
         if _hook["handle"] is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            _hook["handle"] = register_optimizer_step_pre_hook(check_before_step)
+            _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
     return result
 
 
@@ -153,7 +151,7 @@ def is_active() -> bool:
 
 def check_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """The global optimizer step pre-hook: torch calls it before every ``step()``."""
-    if optimizer in _checked or not is_active() or _hook["is_compiling"]():
+    if optimizer in _checked or not is_active():
         return None
     _isolation.isolated(NAME, check_optimizer, optimizer)
     return None
