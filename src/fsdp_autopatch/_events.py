@@ -20,8 +20,16 @@ logger = logging.getLogger("fsdp_autopatch")
 _MAX_WHERE = 160  # a unit can hold hundreds of parameters: the log line names the first few
 
 
+# torch.compiler.is_compiling once a patch is applied (``_isolation.isolate``): a fire inside a traced
+# wrapper (``Wrap.dynamo=TRACED``, while Dynamo traces) counts and logs nothing: no lock, no logging,
+# no string formatting in a compiled path, where each would be a graph break.
+_is_compiling = [lambda: False]
+
+
 def fired(name: str, without: str, where: str = "") -> None:
     """Record one fire of patch ``name``: ``without`` says what torch would have done instead."""
+    if _is_compiling[0]():
+        return
     count = REGISTRY.count_fire(name)
     level = logging.INFO if count == 1 else logging.DEBUG
     if logger.isEnabledFor(level):

@@ -37,6 +37,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from . import _events
 from ._events import GuardError, fired
 from ._registry import CALL_TIME_FAILURE, REGISTRY
 from ._spec import CALL_AGAIN, TRACED
@@ -224,6 +225,7 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
     ``dynamo`` (``Wrap.dynamo``): while Dynamo traces a call, :data:`~fsdp_autopatch._spec.TRACED`
     traces ``wrapper``, anything else calls torch's function as it came."""
     compiling = _is_compiling_function()
+    _events._is_compiling[0] = compiling
     traced = dynamo == TRACED
     module = getattr(wrapper, "__module__", None)  # a third-party patch's failure names its function
 

@@ -171,6 +171,20 @@ def test_contract_refuses_what_dynamo_cannot_do(target, options, problem):
     assert Wrap("x:y", _calls([])).dynamo == AS_TORCH
 
 
+def test_a_fire_while_dynamo_traces_is_no_graph_break():
+    from torch._dynamo.utils import counters
+
+    from fsdp_autopatch import _events
+    from fsdp_autopatch._isolation import NO_BINDER, isolate
+
+    isolate("test_inner", _calls([]), NO_BINDER, "keep torch's result")  # an applied patch sets the check
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(lambda x: (_events.fired("test_inner", "nothing", "here"), x + 1)[1], backend="eager",
+                        fullgraph=True)(torch.ones(1))
+    assert torch.equal(out, torch.full((1,), 2.0)) and sum(counters["graph_break"].values()) == 0
+
+
 def test_step_hook_steps_aside_while_dynamo_traces():
     from torch._dynamo.utils import counters
 
