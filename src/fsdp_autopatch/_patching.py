@@ -56,16 +56,22 @@ def original_of(owner: Any, attribute: str) -> Any:
     raise AttributeError(f"{getattr(owner, '__name__', owner)!r} has no attribute {attribute!r}")
 
 
-def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True) -> Any:
+def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True, method: bool = False) -> Any:
     """``wrapper`` (wrapt's signature) around ``original``: a wrapt ``FunctionWrapper``, which keeps
     the original's name, docstring and signature, or (``proxy=False``) a plain function made with
-    ``functools.wraps``, which ``torch.compile`` traces like torch's own."""
+    ``functools.wraps``, which ``torch.compile`` traces like torch's own (``method``: a function on a
+    class, bound to the instance per call as wrapt binds it)."""
     if proxy:
         return wrapt.FunctionWrapper(original, wrapper)
 
-    @functools.wraps(original)
-    def replacement(*args, **kwargs):
-        return wrapper(original, None, args, kwargs)
+    if method:
+        @functools.wraps(original)
+        def replacement(instance, *args, **kwargs):
+            return wrapper(original.__get__(instance, type(instance)), instance, args, kwargs)
+    else:
+        @functools.wraps(original)
+        def replacement(*args, **kwargs):
+            return wrapper(original, None, args, kwargs)
 
     # How a probe tells ours from torch's own functools.wraps decorators (both set __wrapped__).
     replacement.__fsdp_autopatch_replacement__ = True
@@ -91,7 +97,7 @@ def replacement_for(patch_name: str, target: Wrap, owner: Any, original: Any) ->
     hiding = _hiding.hiding_of(original) if target.dynamo == AS_TORCH else None
     if hiding is not None:  # [Note: hidden as torch hides]
         return _hiding.hidden_replacement(original, wrapper, is_method(owner, original), hiding)
-    return wrap(original, wrapper, proxy=target.proxy)
+    return wrap(original, wrapper, proxy=target.proxy, method=is_method(owner, original))
 
 
 def replacements(patch: Patch) -> list[tuple[Any, str, Any]]:

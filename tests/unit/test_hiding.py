@@ -196,3 +196,41 @@ def test_step_hook_steps_aside_while_dynamo_traces():
     assert seen == [] and sum(counters["graph_break"].values()) == 0
     hook(1)
     assert seen == [(1,)]
+
+
+def _train_step_counters() -> tuple[int, int, list]:
+    """A compiled train step that calls both zero_grads (what the pending-gradients policies wrap)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        model.zero_grad()
+        optimizer.zero_grad()
+        return model(x).sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="eager")
+    losses = [compiled(torch.ones(1, 3)).item() for _ in range(2)]
+    return sum(counters["graph_break"].values()), counters["stats"].get("unique_graphs", 0), losses
+
+
+def test_compiled_zero_grad_meets_the_same_graph_with_the_policies_wrappers():
+    from fsdp_autopatch import _patching
+    from fsdp_autopatch.patches import pending_grads_warning
+
+    applied = _patching.is_applied(pending_grads_warning.NAME)
+    if applied:  # by the .pth hook: measured without it, then put back as it was
+        _patching.revert(pending_grads_warning.NAME)
+    try:
+        without = _train_step_counters()
+        _patching.apply(pending_grads_warning.PATCH)
+        assert _hiding.hiding_of(vars(torch.optim.Optimizer)["zero_grad"]) is not None  # hidden as torch's
+        assert type(vars(nn.Module)["zero_grad"]) is type(_train_step_counters)  # a plain function Dynamo traces
+        assert _train_step_counters() == without
+    finally:
+        if not applied:
+            _patching.revert(pending_grads_warning.NAME)

@@ -212,6 +212,7 @@ def targets(name: str, wrap: Any) -> tuple[Any, ...]:
 
     return (
         wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_param_group:FSDPParamGroup.post_backward", remember),
-        wrap("torch.optim.optimizer:Optimizer.zero_grad", zero_grad_of_optimizer),
-        wrap("torch.nn.modules.module:Module.zero_grad", zero_grad_of_module),
+        # plain functions (a compiled train step may call them: Dynamo traces torch's, stepping ours aside)
+        wrap("torch.optim.optimizer:Optimizer.zero_grad", zero_grad_of_optimizer, proxy=False),
+        wrap("torch.nn.modules.module:Module.zero_grad", zero_grad_of_module, proxy=False),
     )
