@@ -12,11 +12,10 @@ setting: plugin on (as installed) and off (``FSDP_AUTOPATCH_ENABLED=0``). For ev
 Measured on torch 2.13 (per rank, on / off): before ``Wrap.dynamo`` (6027423) the plugin's wrappers
 of FSDP2's hooks made Dynamo break and recompile: graph breaks 22 / 0 and recompiles 18 / 1 for
 ``whole_model`` and ``fill_on``, 17 / 0 and 12 / 1 for ``per_unit`` and ``checkpointed_unit``;
-since, equal. ``compiled_optimizer_step`` differs on and off, a known difference of the plugin
-(:data:`KNOWN_DIFFERENCES`, reported as xfail while it is exactly that): the global optimizer step
-pre-hook of ``optimizer_unsharded_params_guard`` is traced inside the compiled ``step`` and guards on
-its WeakSet of checked optimizers, so the second step recompiles once (one more recompile, compile
-and frame, and torch's own ``graph_break()`` in ``_use_grad`` counted once more).
+since, equal. ``compiled_optimizer_step``: the guards' global optimizer step pre-hooks were traced
+inside the compiled ``step`` (a guard on ``optimizer_unsharded_params_guard``'s WeakSet of checked
+optimizers: one recompile at the second step); they step aside while Dynamo traces since
+(``_isolation.aside_while_compiling``): equal.
 """
 
 from __future__ import annotations
@@ -38,17 +37,6 @@ TIMEOUT_S = 240.0  # each job, all ranks (both jobs fit in the module's timeout)
 VARIANTS = tuple(cs.VARIANTS)
 COUNTS = ("graph_breaks", "frames_total", "frames_ok", "unique_graphs", "recompiles", "compiles")
 SPARE = ("blocks.1.spare.bias", "blocks.1.spare.weight")  # fill_on's parameter no rank uses
-# variant -> (what the plugin adds, the text its extra recompile reason contains)
-KNOWN_DIFFERENCES = {
-    "compiled_optimizer_step": (
-        "optimizer_unsharded_params_guard's global step pre-hook is traced inside the compiled "
-        "Optimizer.step and guards on its WeakSet of checked optimizers (_checked.data == set()): "
-        "one recompile at the second step",
-        "optimizer_unsharded_params_guard']._checked",
-    ),
-}
-
-
 def _run(env: dict[str, str]) -> RunResult:
     run = run_ranks(SCENARIO, env=env, timeout=TIMEOUT_S)
     reason = next((r.data.get("compile_unavailable") for r in run.ranks if r.data), None)
@@ -96,21 +84,6 @@ def comparable(counters: dict) -> dict:
     return out
 
 
-def is_known_difference(variant: str, on: dict, off: dict) -> bool:
-    """``on`` differs from ``off`` only by :data:`KNOWN_DIFFERENCES`' one recompile of ``variant``."""
-    if variant not in KNOWN_DIFFERENCES:
-        return False
-    names = KNOWN_DIFFERENCES[variant][1]
-    extra = [r for r in on["recompile_reasons"] if r not in off["recompile_reasons"]]
-    return (
-        on["recompiles"] - off["recompiles"] == 1
-        and len(extra) == 1
-        and names in extra[0]
-        and set(on["break_reasons"]) == set(off["break_reasons"])
-        and all(0 <= on[key] - off[key] <= 1 for key in COUNTS)
-    )
-
-
 def test_registry(plugin_on, plugin_off):
     """On: every patch as expected on this torch, some applied (the comparison is not vacuous); off: none."""
     plugin_on.assert_clean()
@@ -131,17 +104,10 @@ def test_counters_equal(plugin_on, plugin_off, variant):
     """Dynamo counts the same graph breaks, frames, graphs and recompiles with the plugin as without."""
     ons, offs = records(plugin_on, variant), records(plugin_off, variant)
     skip_if_skipped(plugin_on, plugin_off, variant=variant)
-    known = []
     for rank, (on_rec, off_rec) in enumerate(zip(ons, offs)):
         on, off = comparable(on_rec["counters"]), comparable(off_rec["counters"])
-        if on != off and is_known_difference(variant, on, off):
-            known.append(f"rank {rank}: on {on} / off {off}")
-            continue
         differ = {key: (on[key], off[key]) for key in on if on[key] != off[key]}
         assert not differ, f"rank {rank} {variant}: Dynamo's counters differ (on, off): {differ}"
-    if known:
-        ck.note(f"compile suite, {variant}: {KNOWN_DIFFERENCES[variant][0]}")
-        pytest.xfail(f"{KNOWN_DIFFERENCES[variant][0]}; " + "; ".join(known))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
