@@ -234,3 +234,36 @@ def test_compiled_zero_grad_meets_the_same_graph_with_the_policies_wrappers():
     finally:
         if not applied:
             _patching.revert(pending_grads_warning.NAME)
+
+
+def _clip_counters() -> tuple[int, int, float]:
+    """A compiled function that clips plain gradients (what the two clip fixes wrap, TRACED)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    torch._dynamo.reset()
+    counters.clear()
+    total = torch.compile(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5), backend="eager")()
+    return sum(counters["graph_break"].values()), counters["stats"].get("unique_graphs", 0), float(total)
+
+
+def test_compiled_clip_meets_the_same_graph_with_the_clip_fixes():
+    from fsdp_autopatch.patches import clip_grad_norm_cpu_offload, clip_grad_norm_multi_mesh
+
+    patches = (clip_grad_norm_cpu_offload, clip_grad_norm_multi_mesh)  # applied in this order
+    applied = [module for module in patches if _patching.is_applied(module.PATCH.name)]
+    for module in reversed(applied):  # by the .pth hook: measured without them, then put back as they were
+        _patching.revert(module.PATCH.name)
+    try:
+        without = _clip_counters()
+        for module in patches:
+            if _patching.contract_problem(module.PATCH) is None:
+                _patching.apply(module.PATCH)
+        assert any(_patching.is_applied(module.PATCH.name) for module in patches)
+        assert _clip_counters() == without
+    finally:
+        for module in reversed(patches):
+            if module not in applied:
+                _patching.revert(module.PATCH.name)
