@@ -165,7 +165,7 @@ def test_the_plugin_changing_a_compile_mode_is_a_finding_and_breaking_one_a_prob
                                             "breaks 2 -> 20, recompiles 0 -> 16")
     assert "final weights differ" in report["findings"][1]
     text = _report._compile_table(report["compile"])
-    assert "DIFFER" in text and "on: 12x a wrapper of ours" in text and "on: Unsupported" in text
+    assert "DIFFER" in text and "on, break reason: 12x a wrapper of ours" in text and "on: Unsupported" in text
     assert max(len(line) for line in text.splitlines()) <= 100
 
 

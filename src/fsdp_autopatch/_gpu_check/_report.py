@@ -286,9 +286,10 @@ def _compile_table(compiled: dict[str, Any]) -> str:
         cells = [f"{off[k]} -> {on[k]}" for k in COUNTERS]
         same = {True: "bitwise equal", False: "DIFFER", None: "-"}[row["weights_bitwise_equal"]]
         lines.append(f"  {row['what']:<40} {cells[0]:>9} {cells[1]:>10} {cells[2]:>9} {cells[3]:>9}  {same}")
-        if on["graph_breaks"] != off["graph_breaks"] or on["recompiles"] != off["recompiles"]:
-            reasons = (on["break_reasons"] + on["recompile_reasons"])[:1]
-            lines += [f"  {'':<4}on: {reason}"[:100] for reason in reasons]
+        for key, reasons in (("graph_breaks", "break_reasons"), ("recompiles", "recompile_reasons")):
+            if on[key] != off[key] and on.get(reasons):  # the most frequent, without Dynamo's explanation
+                reason = on[reasons][0].split(" Explanation:")[0]
+                lines.append(f"      on, {reasons.replace('_', ' ')[:-1]}: {reason}"[:100])
     lines.append("  (frames: distinct frames compiled; weights: rank 0's after the steps, in which every rank uses\n"
                  "   every parameter, so no bug strikes; the reasons and losses: report.json)")
     return "\n".join(lines)
