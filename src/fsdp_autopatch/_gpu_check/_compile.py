@@ -18,9 +18,9 @@ which every rank uses every parameter, so no bug of the catalogue strikes: a fix
 there, and the final weights with the plugin off and on must be bitwise equal (the parent compares
 rank 0's digests). Per mode, from ``torch._dynamo.reset()`` on, on rank 0: the graph breaks (and
 their most frequent reasons), the recompiles (and their reasons), the graphs and the distinct frames
-compiled (``torch._dynamo.utils.counters`` and ``get_compilation_metrics``). Where torch.compile cannot run here (Dynamo
-unsupported on this Python, the backend missing, inductor without triton on CUDA), the case says
-why and is not an error.
+compiled (``torch._dynamo.utils.counters`` and ``get_compilation_metrics``). Where torch.compile
+cannot run here (Dynamo unsupported on this Python, the backend missing, inductor without triton on
+CUDA), the case says why and is not an error.
 """
 
 from __future__ import annotations
@@ -52,9 +52,11 @@ def unavailable(ctx: Ctx) -> str | None:
         if supported is not None and not supported():
             return (f"torch.compile is not supported with torch {torch.__version__} on Python "
                     f"{platform.python_version()} ({platform.system()})")
-        backends = dynamo.list_backends(exclude_tags=())
-        if ctx.compile_backend not in backends:
-            return f"backend {ctx.compile_backend!r} is not registered here (torch has: {', '.join(sorted(backends))})"
+        try:
+            dynamo.lookup_backend(ctx.compile_backend)  # entry-point backends too
+        except Exception:
+            backends = ", ".join(sorted(dynamo.list_backends(exclude_tags=())))
+            return f"backend {ctx.compile_backend!r} is not registered here (torch has: {backends})"
         if ctx.compile_backend == "inductor" and ctx.device.type == "cuda":
             from torch.utils._triton import has_triton
 
