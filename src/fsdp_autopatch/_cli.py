@@ -95,10 +95,11 @@ def _add_gpu_check(commands) -> None:
     gpu.add_argument("--world-size", type=int, help="ranks (default: the GPUs on cuda, 2 on cpu)")
     gpu.add_argument("--budget", type=float, help="overall time guard in seconds (default 450 cuda, 240 cpu)")
     gpu.add_argument("--jobs", type=int, help="launches at a time before the cost (default: 4 on cuda, 2 on cpu)")
-    gpu.add_argument("--compile-backend", help="torch.compile backend (default inductor on cuda, aot_eager on cpu)")
+    gpu.add_argument("--compile-backend", help="torch.compile backend of the compiled training and the compile "
+                     "modes' counters (default inductor on cuda, aot_eager on cpu)")
     gpu.add_argument("--only", nargs="+", metavar="PATCH",
                      choices=[e.name for e in _catalogue.ENTRIES if e.kind != _catalogue.POLICY],
-                     help="only these patches' bug cases (no training, no cost)")
+                     help="only these patches' bug cases (no training, compile modes or cost)")
     gpu.add_argument("--setup-json", help=argparse.SUPPRESS)  # scripts/gpu_check.py: its wheel and set-up times
 
 

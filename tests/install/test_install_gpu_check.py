@@ -3,8 +3,9 @@ throwaway venv over the test run's interpreter (so that venv's torch is used and
 activates the plugin as for a user), and runs that venv's ``fsdp-autopatch gpu-check --expected
 tests/expected.py``, which probes its interpreter and runs every bug case on 2 gloo ranks
 (``python -m fsdp_autopatch._gpu_check._rank``, from the wheel) with the plugin on and with each patch
-off, the training flavours and the step cost, and writes its JSON report; the report is checked here
-against ``tests/expected.py`` for this torch. About 80 s on 2 cores (small models).
+off, the training flavours, the compile modes' counters and the step cost, and writes its JSON
+report; the report is checked here against ``tests/expected.py`` for this torch. About 100 s on 2
+cores (small models).
 
 The same command, unchanged, is what runs on a CUDA machine (``--device cuda``); this test keeps its
 logic working where CI runs (no GPU). Its options and the exits without ranks:
@@ -113,6 +114,22 @@ def test_training_flavours(gpu_check_report: dict) -> None:
     assert "graphs compiled" in training["train_compile"]["on"]["text"]
     assert gpu_check_report["compile"]["backend"] == "aot_eager"
     assert "CUDA" in training["train_offload"]["skipped"]
+
+
+def test_compile_counters_plugin_on_and_off(gpu_check_report: dict) -> None:
+    compiled = gpu_check_report["compile"]
+    if "unavailable" in compiled or "skipped" in compiled:  # said why, and the check is OK all the same
+        assert (compiled.get("unavailable") or compiled["skipped"]) in gpu_check_report["_stdout"]
+        return
+    assert compiled["steps"] >= 2 and "Dynamo's counters on rank 0, plugin off -> on" in gpu_check_report["_stdout"]
+    for mode, row in compiled["modes"].items():
+        for side in ("on", "off"):
+            assert row[side]["ran"] and isinstance(row[side]["graph_breaks"], int), (mode, row)
+        # every parameter used on every rank: no bug strikes, the plugin must change nothing
+        assert row["weights_bitwise_equal"] is True, (mode, row)
+    # torch's FSDP2 hooks, hidden from Dynamo, break the whole model's graph; the plugin adds no break
+    assert compiled["modes"]["compile_whole"]["off"]["graph_breaks"] >= 1
+    assert compiled["modes"]["compile_torchtitan"]["on"]["graph_breaks"] == 0
 
 
 def test_step_cost_numbers(gpu_check_report: dict) -> None:

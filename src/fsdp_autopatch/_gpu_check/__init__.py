@@ -13,7 +13,11 @@ ranks and an outer timeout, all under one overall time guard:
 2. a training run meeting the first four bugs at once (bf16 params, fp32 reduce), eager, with
    per-block ``torch.compile`` and, on CUDA, with ``CPUOffloadPolicy(pin_memory=True)``, plugin on
    and off (``FSDP_AUTOPATCH_ENABLED=0``; ``_training``, ``_net``);
-3. the step cost, plugin off against on, with the unused-param fill off and on, alternating blocks
+3. Dynamo's counters per compile mode (whole model ``torch.compile``, blocks ``.compile()``d after
+   ``fully_shard``, torchtitan's order), plugin on and off (``FSDP_AUTOPATCH_ENABLED=0``): graph
+   breaks, recompiles, graphs and frames compiled, and whether the final weights are bitwise equal
+   (``_compile``); skipped, saying why, where the time guard is short or torch.compile cannot run;
+4. the step cost, plugin off against on, with the unused-param fill off and on, alternating blocks
    in one process (CUDA events on a GPU), with the restore's host sync and peak memory (``_cost``).
 
 With ``--expected PATH`` (a checkout's ``tests/expected.py``) the plugin-off results are compared

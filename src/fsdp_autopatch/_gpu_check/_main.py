@@ -98,6 +98,18 @@ def _expected(path: str | None) -> Any:
         raise env.SetupFailed(f"--expected {path}: {type(error).__name__}: {error}") from None
 
 
+def launch_timeout(kind: str, device: str, left: float, reserve: float) -> tuple[float, str]:
+    """(the outer timeout of a launch of ``kind``, why it is skipped or ""): its own timeout, capped by
+    what the overall guard has ``left`` less the ``reserve`` kept for the cost; skipped under the
+    least it needs (``plan.MIN_TIMEOUT_S``, 20 s by default)."""
+    timeout = min(plan.TIMEOUTS[device][kind], left - reserve)
+    least = plan.MIN_TIMEOUT_S.get(kind, {}).get(device, 20)
+    if timeout < least:
+        return timeout, (f"the overall time guard left too little time ({max(0.0, timeout):.0f} s of the "
+                         f"{least} s it needs)")
+    return timeout, ""
+
+
 def _check(args, device: str, expected: Any, tmp: Path, started: float, deadline: float) -> int:
     def left() -> float:
         return deadline - time.monotonic()
@@ -120,10 +132,9 @@ def _check(args, device: str, expected: Any, tmp: Path, started: float, deadline
     results: dict[str, dict] = {}
 
     def one(launch: plan.Launch, reserve: float) -> None:
-        timeout = min(plan.TIMEOUTS[device][launch.kind], left() - reserve)
-        if timeout < 20:
-            results[launch.name] = {"name": launch.name, "cases": launch.cases,
-                                    "skipped": "the overall time guard left too little time"}
+        timeout, skipped = launch_timeout(launch.kind, device, left(), reserve)
+        if skipped:
+            results[launch.name] = {"name": launch.name, "cases": launch.cases, "skipped": skipped}
             print(f"  skipped (time guard): {launch.name}", flush=True)
             return
         result = env.launch_ranks(launch, device=device, world_size=world_size, timeout_s=timeout,
@@ -160,7 +171,8 @@ def _report(args, device, world_size, backend, expected, found, results, started
                    "file": found["plugin_file"],
                    "bootstrap": found["bootstrap"], "statuses": found["statuses"],
                    "wrapt": found["wrapt"], "packaging": found["packaging"]},
-        "compile": {"backend": backend, "note": plan.COMPILE_NOTE[device] if not args.compile_backend else "given"},
+        "compile": {"backend": backend, "note": plan.COMPILE_NOTE[device] if not args.compile_backend else "given",
+                    **(report.compile_rows(results) if not args.only else {"skipped": "--only"})},
         "expected_source": str(Path(args.expected).resolve()) if expected else
         "no --expected: the plugin-off runs are recorded, not judged",
         "patches": report.patch_rows(results, world_size, expected_off, found["statuses"], letters, device),

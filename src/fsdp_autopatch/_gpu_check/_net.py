@@ -93,9 +93,10 @@ def loss_of(model, micro: Micro, device, count: int, dtype=None):
     return model(x, image, micro.experts).float().pow(2).mean() / count
 
 
-def shard(model: Net, ctx: Ctx, *, mixed: bool = True, offload: bool = False, compiled: bool = False):
+def shard(model: Net, ctx: Ctx, *, mixed: bool = True, offload: bool = False, compiled: bool = False,
+          fullgraph: bool = False):
     """``fully_shard`` tower, moe, root (bf16 params / fp32 reduce when ``mixed``); per-block
-    ``torch.compile`` before sharding (torchtitan's order) when ``compiled``."""
+    ``torch.compile`` before sharding (torchtitan's order) when ``compiled``, with ``fullgraph``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options: dict[str, Any] = {"mesh": ctx.mesh()}
@@ -105,8 +106,8 @@ def shard(model: Net, ctx: Ctx, *, mixed: bool = True, offload: bool = False, co
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     if compiled:
         if model.tower is not None:
-            model.tower = torch.compile(model.tower, backend=ctx.compile_backend)
-        model.moe = torch.compile(model.moe, backend=ctx.compile_backend)
+            model.tower = torch.compile(model.tower, backend=ctx.compile_backend, fullgraph=fullgraph)
+        model.moe = torch.compile(model.moe, backend=ctx.compile_backend, fullgraph=fullgraph)
     if model.tower is not None:
         fully_shard(model.tower, **options)
     fully_shard(model.moe, **options)

@@ -69,6 +69,12 @@ TRAINING = {  # flavour -> what it adds to the training case (the first four bug
     "train_compile": "per-block torch.compile",
     "train_offload": "CPUOffloadPolicy(pin_memory=True)",
 }
+COMPILE_MODES = {  # case -> how it compiles the training flavours' network (``_compile``)
+    "compile_whole": "torch.compile(model) after fully_shard",
+    "compile_units": "blocks .compile() after fully_shard",
+    "compile_torchtitan": "torchtitan: blocks fullgraph, then shard",
+}
+COMPILE_STEPS = 3  # recompiles show from the second step on
 
 
 def strikes(name: str, world_size: int, device: str = "cpu") -> tuple[bool, bool, str]:
@@ -111,14 +117,14 @@ class Launch:
     name: str
     cases: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    kind: str = "bugs"  # bugs, training or cost: picks its timeout
+    kind: str = "bugs"  # bugs, training, compile or cost: picks its timeout
     cost: dict | None = None
     solo: bool = False  # run with nothing else on the machine (timings)
 
 
 def plan(device: str, world_size: int, cost_spec: dict, only: list[str] | None = None) -> list[Launch]:
     """The launches, in the order they run: the patched bug cases, each bug with its patch off, the
-    training flavours on and off, the step cost."""
+    training flavours on and off, the compile modes on and off, the step cost."""
     run = [p for p in PATCHES if strikes(p.name, world_size, device)[1] and (not only or p.name in only)]
     flavours = [f for f in TRAINING if device == "cuda" or f != "train_offload"]
     launches = [Launch("plugin on: bug cases", [p.name for p in run])]
@@ -126,6 +132,9 @@ def plan(device: str, world_size: int, cost_spec: dict, only: list[str] | None =
     if not only:
         launches.append(Launch("plugin on: training", flavours, kind="training"))
         launches.append(Launch("plugin off: training", flavours, {"FSDP_AUTOPATCH_ENABLED": "0"}, kind="training"))
+        modes = list(COMPILE_MODES)
+        launches.append(Launch("plugin on: compile", modes, kind="compile"))
+        launches.append(Launch("plugin off: compile", modes, {"FSDP_AUTOPATCH_ENABLED": "0"}, kind="compile"))
         launches.append(Launch("step cost", [], kind="cost", cost=cost_spec, solo=True))
     return launches
 
@@ -137,9 +146,10 @@ COST_SPECS = {
     "cpu": {"dim": 32, "tokens": 16, "blocks": 2, "experts": 4, "rounds": 2, "steps": 2},
 }
 TIMEOUTS = {  # outer timeout of one launch (s), by kind and device; the overall guard caps each
-    "cuda": {"bugs": 150, "training": 300, "cost": 240},
-    "cpu": {"bugs": 90, "training": 150, "cost": 120},
+    "cuda": {"bugs": 150, "training": 300, "compile": 240, "cost": 240},
+    "cpu": {"bugs": 90, "training": 150, "compile": 120, "cost": 120},
 }
+MIN_TIMEOUT_S = {"compile": {"cuda": 90, "cpu": 30}}  # less left: the launch is skipped (20 s for the others)
 PG_TIMEOUT_S = {"cuda": 60, "cpu": 30}
 COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}
 COMPILE_NOTE = {

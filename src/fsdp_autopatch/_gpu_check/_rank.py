@@ -1,6 +1,6 @@
 """One rank of a ``fsdp-autopatch gpu-check`` launch, run by the interpreter the check runs in:
 
-    python -m fsdp_autopatch._gpu_check._rank --device cuda|cpu --cases NAME,train_eager,... --out DIR
+    python -m fsdp_autopatch._gpu_check._rank --device cuda|cpu --cases NAME,train_eager,compile_whole,... --out DIR
         [--deadline S] [--pg-timeout S] [--compile-backend NAME] [--cost-json '{...}']
 
 The plugin is whatever that interpreter's ``.pth`` activated when torch's FSDP2 was imported (the
@@ -146,11 +146,12 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **options)
     results.data["backend"] = str(dist.get_backend())
     ctx = Ctx(rank, world_size, device, args.compile_backend)
+    from ._compile import CASES as COMPILE_CASES
     from ._entries import case_for
     from ._training import CASES
 
     for name in filter(None, args.cases.split(",")):
-        _run_case(name, CASES.get(name) or case_for(name), ctx, results)
+        _run_case(name, CASES.get(name) or COMPILE_CASES.get(name) or case_for(name), ctx, results)
     if args.cost_json:
         from ._cost import run_cost
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ._plan import PATCHES, TRAINING, agrees, strikes
+from ._plan import COMPILE_MODES, COMPILE_STEPS, PATCHES, TRAINING, agrees, strikes
 
 
 def _first_line(text: str, limit: int = 110) -> str:
@@ -99,6 +99,61 @@ def training_rows(launches: dict[str, dict], device: str) -> dict[str, Any]:
     return rows
 
 
+COMPILE_FIELDS = ("unavailable", "graph_breaks", "recompiles", "unique_graphs", "frames", "frames_converted",
+                  "break_reasons", "recompile_reasons", "losses", "weights_sha256", "seconds")
+COUNTERS = ("graph_breaks", "recompiles", "unique_graphs", "frames")
+
+
+def _compile_side(launch: dict[str, Any] | None, mode: str) -> dict[str, Any]:
+    result = outcome(launch, mode)
+    side = {"ran": result["ran"], "text": result["text"]}
+    if "error" in result:
+        return {**side, "error": result["error"]}
+    if result["ran"]:
+        entry = launch["ranks"][0]["cases"][mode]  # type: ignore[index]
+        side.update({k: entry[k] for k in COMPILE_FIELDS if k in entry})
+    return side
+
+
+def compile_rows(launches: dict[str, dict]) -> dict[str, Any]:
+    """Per compile mode rank 0's counters with the plugin on and off, and whether the final weights
+    are bitwise equal; ``unavailable`` where torch.compile cannot run here, ``skipped`` where the
+    time guard left no time for it."""
+    on, off = launches.get("plugin on: compile"), launches.get("plugin off: compile")
+    modes = {}
+    for mode, what in COMPILE_MODES.items():
+        row = {"what": what, "on": _compile_side(on, mode), "off": _compile_side(off, mode)}
+        digests = (row["on"].get("weights_sha256"), row["off"].get("weights_sha256"))
+        row["weights_bitwise_equal"] = digests[0] == digests[1] if all(digests) else None
+        modes[mode] = row
+    out: dict[str, Any] = {"steps": COMPILE_STEPS, "modes": modes}
+    skipped = [launch["skipped"] for launch in (on, off) if launch and launch.get("skipped")]
+    if skipped or on is None or off is None:
+        out["skipped"] = skipped[0] if skipped else "not planned"
+    why = {side.get("unavailable") for row in modes.values() for side in (row["on"], row["off"])}
+    if len(why) == 1 and None not in why:
+        out["unavailable"] = why.pop()
+    return out
+
+
+def _compile_verdict(compiled: dict[str, Any], problems: list[str], findings: list[str]) -> None:
+    """A mode the plugin-off run compiled and trained that raised (or aborted) with the plugin on is a
+    problem; a timeout there, more graph breaks, recompiles, graphs or frames with the plugin on, and
+    final weights that are not bitwise equal are findings."""
+    for mode, row in compiled.get("modes", {}).items():
+        on, off = row["on"], row["off"]
+        if on.get("error") and "graph_breaks" in off:
+            (findings if on["error"] == "timeout" else problems).append(
+                f"compile {mode} with the plugin on: {on['text']} (plugin off: it ran)")
+        more = [f"{k.replace('_', ' ')} {off[k]} -> {on[k]}" for k in COUNTERS
+                if on.get(k) is not None and off.get(k) is not None and on[k] > off[k]]
+        if more:
+            findings.append(f"compile {mode}: more with the plugin on (off -> on): {', '.join(more)}")
+        if row["weights_bitwise_equal"] is False:
+            findings.append(f"compile {mode}: the final weights differ, plugin on vs off (losses on "
+                            f"{on.get('losses')}, off {off.get('losses')})")
+
+
 def cost_summary(launch: dict[str, Any] | None) -> dict[str, Any]:
     if launch is None or launch.get("skipped"):
         return {"error": (launch or {}).get("skipped", "not run")}
@@ -113,8 +168,10 @@ def cost_summary(launch: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def verdict(report: dict[str, Any]) -> tuple[bool, list[str], list[str]]:
-    """(ok, problems, findings): ok when every run case is right with the plugin on and the cost
-    was measured; findings are plugin-off results that differ from ``--expected``."""
+    """(ok, problems, findings): ok when every run case is right with the plugin on, the cost was
+    measured, and no compile mode fails with the plugin on where it runs with it off; findings are
+    plugin-off results that differ from ``--expected``, and compile modes where the plugin changes
+    Dynamo's counters or the final weights."""
     problems, findings = [], []
     for name, row in report["patches"].items():
         if "on" in row and not row["on"]["right"] and row["on"].get("judged", True):
@@ -129,6 +186,7 @@ def verdict(report: dict[str, Any]) -> tuple[bool, list[str], list[str]]:
         pass
     elif "error" in cost or not all("off" in c["variants"] and "on" in c["variants"] for c in cost["cases"].values()):
         problems.append(f"step cost: {cost.get('error', 'a variant is missing')}")
+    _compile_verdict(report.get("compile", {}), problems, findings)
     return not problems, problems, findings
 
 
@@ -174,7 +232,7 @@ def table(report: dict[str, Any]) -> str:
             continue
         out.append(f"  {row['what']:<36} on: {_cell(row['on'], False)}")
         out.append(f"  {'':<36} off (FSDP_AUTOPATCH_ENABLED=0): {_cell(row['off'], True)}")
-    out += ["", _cost_table(report["cost"])]
+    out += ["", _compile_table(report["compile"]), "", _cost_table(report["cost"])]
     ok, problems, findings = report["ok"], report["problems"], report["findings"]
     out.append("")
     out += [f"PROBLEM: {p}" for p in problems] + [f"finding: {f}" for f in findings]
@@ -203,4 +261,35 @@ def _cost_table(cost: dict[str, Any]) -> str:
                  "in one restore, as torch.cuda.set_sync_debug_mode reports them)" if cost["timer"] == "cuda events"
                  else "  (step ms: time.perf_counter around each step; restore us: time in the restore after "
                       "backward; tolist us: blocked in its packed.tolist(); no peak memory or sync count on CPU)")
+    return "\n".join(lines)
+
+
+def _side_text(side: dict[str, Any]) -> str:
+    if side.get("unavailable"):
+        return f"not run: {side['unavailable']}"
+    return side["text"] if "error" in side or not side["ran"] else "ran"
+
+
+def _compile_table(compiled: dict[str, Any]) -> str:
+    """The compile modes, at most 100 columns: dynamo's counters off -> on, the weights on vs off."""
+    head = f"torch.compile ({compiled['backend']})"
+    if "unavailable" in compiled or "skipped" in compiled:
+        return f"{head}: not run: {compiled.get('unavailable') or compiled['skipped']}"
+    lines = [f"{head}, {compiled['steps']} steps: Dynamo's counters on rank 0, plugin off -> on",
+             f"  {'mode':<40} {'breaks':>9} {'recompiles':>10} {'graphs':>9} {'frames':>9}  weights on/off"]
+    for row in compiled["modes"].values():
+        on, off = row["on"], row["off"]
+        if not all(k in side for k in COUNTERS for side in (on, off)):
+            lines.append(f"  {row['what']:<40} off: {_side_text(off)}"[:100])
+            lines.append(f"  {'':<40} on: {_side_text(on)}"[:100])
+            continue
+        cells = [f"{off[k]} -> {on[k]}" for k in COUNTERS]
+        same = {True: "bitwise equal", False: "DIFFER", None: "-"}[row["weights_bitwise_equal"]]
+        lines.append(f"  {row['what']:<40} {cells[0]:>9} {cells[1]:>10} {cells[2]:>9} {cells[3]:>9}  {same}")
+        for key, reasons in (("graph_breaks", "break_reasons"), ("recompiles", "recompile_reasons")):
+            if on[key] != off[key] and on.get(reasons):  # the most frequent, without Dynamo's explanation
+                reason = on[reasons][0].split(" Explanation:")[0]
+                lines.append(f"      on, {reasons.replace('_', ' ')[:-1]}: {reason}"[:100])
+    lines.append("  (frames: distinct frames compiled; weights: rank 0's after the steps, in which every rank uses\n"
+                 "   every parameter, so no bug strikes; the reasons and losses: report.json)")
     return "\n".join(lines)
