@@ -78,7 +78,6 @@ _METHOD = "generate"
 _WITHOUT = ("RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor (generate bypasses the "
             "root's forward)")
 _LEFT = ": torch left untouched"
-_compiling: dict[str, Any] = {"is_compiling": None}
 
 
 def _structural_check() -> Verdict:
@@ -134,8 +133,11 @@ def install(module: Any, state: Any, generate: Any) -> None:
     """Give ``module`` an instance ``generate`` that runs PEFT's ``generate`` (``generate``, its
     class's function) inside ``state``'s pre-/post-forward where :func:`route` says so."""
 
+    # while Dynamo traces a generate() (a compiled caller): torch's, as it came
+    routed = _isolation.aside_while_compiling(lambda: _isolation.isolated(NAME, route, module, state))
+
     def root_generate(*args: Any, **kwargs: Any) -> Any:
-        through = _isolation.isolated(NAME, route, module, state)
+        through = routed()
         if through is None:
             return generate(module, *args, **kwargs)
         args, kwargs = through._pre_forward(module, args, kwargs)
@@ -158,9 +160,7 @@ def is_active() -> bool:
 
 def route(module: Any, state: Any) -> Any:
     """The state to run this ``generate`` call inside (the root's), or None: leave it to torch."""
-    if _compiling["is_compiling"] is None:
-        _compiling["is_compiling"] = _isolation._is_compiling_function()
-    if not is_active() or _compiling["is_compiling"]():
+    if not is_active():
         return None
     if not isinstance(module, _compat.fsdp_class("_fully_shard", "FSDPModule")):
         return None  # fully_shard failed after FSDPState.init: not an FSDP2 module
