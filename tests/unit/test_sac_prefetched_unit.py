@@ -210,13 +210,16 @@ def test_inside_a_real_sac_region_the_policy_never_sees_the_hooks_ops(fires):
     assert len(fires) == 2  # the forward and the recompute
 
 
-def test_under_compile_the_wrapper_passes_through(monkeypatch, fires):
-    log: list = []
-    caching, _ = sac_modes()
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with caching:
-        call_hook(recording_hook(log))
-    assert log == [[caching]] and fires == []
+@SHAPED
+def test_under_compile_the_wrappers_are_hidden_as_torch_hides_its_hooks(apply_patch):
+    """Dynamo never traces them: torch.compile runs FSDP2's hooks eagerly, where the SAC modes are."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from fsdp_autopatch import _hiding
+
+    apply_patch(patch)
+    for hook in ("_pre_forward", "_post_forward"):
+        assert _hiding.hiding_of(vars(FSDPState)[hook]) is not None, hook
 
 
 def test_post_forward_is_wrapped_the_same_way(fires):
