@@ -143,6 +143,27 @@ def _reasons(counter) -> list:
     return [[short(reason), n] for reason, n in sorted(counter.items(), key=lambda item: -item[1])[:5]]
 
 
+def _profile_ours(one_step, plugin_dir: str, steps: int = 5) -> dict:
+    """After the timed steps: ``steps`` more under cProfile, and the time spent in the plugin's own
+    code (its functions' tottime) against the profiled steps' time. The profiler inflates both
+    (Python calls most), so the share is a rough upper bound, but it does not move with the load."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    start = time.process_time()
+    profiler.enable()
+    for _ in range(steps):
+        one_step()
+    profiler.disable()
+    total = time.process_time() - start
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    ours = [(calls, tottime) for (path, _, _), (_, calls, tottime, _, _) in stats.items()
+            if path.startswith(plugin_dir)]
+    return {"ms_per_step": sum(t for _, t in ours) / steps * 1e3, "profiled_step_ms": total / steps * 1e3,
+            "calls_per_step": sum(c for c, _ in ours) / steps}
+
+
 def worker(mode: str, backend: str, steps: int, out: str) -> None:
     from datetime import timedelta
 
@@ -164,13 +185,18 @@ def worker(mode: str, backend: str, steps: int, out: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(rank))
     walls, cpus, compiler, losses, trace = [], [], [], [], []
-    for _ in range(steps):
-        dist.barrier()
-        wall, cpu, child = time.perf_counter(), time.process_time(), os.times()
+
+    def one_step():
         loss = model(data).float().pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(steps):
+        dist.barrier()
+        wall, cpu, child = time.perf_counter(), time.process_time(), os.times()
+        loss = one_step()
         walls.append(time.perf_counter() - wall)
         done = os.times()  # the C++ compiler's CPU time: children reaped during the step
         children = (done.children_user - child.children_user) + (done.children_system - child.children_system)
@@ -189,6 +215,9 @@ def worker(mode: str, backend: str, steps: int, out: str) -> None:
         "recompile_reasons": recompiles.reasons, "recompile_limit_hits": recompiles.limit_hits,
         "applied": list(fsdp_autopatch.applied()), "plugin": os.path.dirname(fsdp_autopatch.__file__),
     }
+    if fsdp_autopatch.applied():  # after the counts above: a recompile here is reported on its own
+        result["ours"] = _profile_ours(one_step, os.path.dirname(fsdp_autopatch.__file__))
+        result["ours"]["recompiles"] = recompiles.count - result["recompiles"]
     with open(f"{out}.{rank}", "w") as handle:
         json.dump(result, handle)
     dist.barrier()  # no rank tears gloo down while its peer still talks to it
@@ -272,6 +301,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         for key in ("graph_break_reasons", "skip_reasons", "recompile_reasons", "applied", "plugin"):
             s[key] = launches[0][key]
         s["launches"] = len(launches)
+        profiled = [r["ours"] for r in launches if r.get("ours")]
+        if profiled:
+            s["ours"] = {key: statistics.median(p[key] for p in profiled) for key in profiled[0]}
+            s["ours"]["share"] = statistics.median(p["ms_per_step"] / p["profiled_step_ms"] for p in profiled)
         out[setting] = s
     for setting, s in out.items():
         if setting == "off":
@@ -313,6 +346,15 @@ def print_tables(results: dict, settings: list[str]) -> None:
         counts = " | ".join(" / ".join(str(r[x][name]) for x in settings) for name in _COUNTS)
         equal = " / ".join(str(r[x]["losses_equal_off"]) for x in others)
         print(f"| {mode} | {backend} | {counts} | {equal} |")
+    print()
+    print("the plugin's own code per step, under cProfile (5 steps after the timed ones; medians over launches):")
+    heads = [f"{x}: ms in ours / profiled step ms (share), calls" for x in others]
+    print("| mode | backend | " + " | ".join(heads) + " |")
+    print("|---|---|" + "---|" * len(others))
+    for key, r in results.items():
+        cells = [f"{o['ms_per_step']:.2f} / {o['profiled_step_ms']:.1f} ({o['share']:.1%}), {o['calls_per_step']:.0f}"
+                 if (o := r[x].get("ours")) else "-" for x in others]
+        print(f"| {' | '.join(key.split('/'))} | {' | '.join(cells)} |")
     print()
     for key, r in results.items():
         for x in settings:
