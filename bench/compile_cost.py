@@ -7,8 +7,10 @@ every block's input requires grad, so no block recompiles for that), the final n
 ``zero_grad``. Modes (``--modes``):
 
   eager     fully_shard(blocks), fully_shard(root); no compile.
-  whole     the same, then ``torch.compile(model, backend=B)`` (FSDP2's hooks inside the compiled
-            region: Dynamo meets torch's hidden hooks, and ours where we wrap them).
+  whole     the same, then ``torch.compile(model, backend=B)``: Dynamo meets FSDP2's hooks, torch's
+            hidden ones and ours where we wrap them (torch's hidden pre-forward hook in the root's
+            loop over the blocks makes Dynamo skip the root's frame, off and on alike, and compile
+            each block's forward as a frame of its own).
   per_unit  the same, then ``block.compile(backend=B)`` on each block unit after fully_shard (the
             root's own forward, a loop over the blocks plus norm and head, stays eager).
   titan     torchtitan's order: each block ``torch.compile(block, backend=B, fullgraph=True)``
@@ -23,8 +25,13 @@ and its reaped compiler children, so its CPU time is counted). Per round and con
 settings' launches are adjacent, their order alternating from round to round; the figures are
 medians over rounds. Per launch, on rank 0: the first step (compile included) and the steady
 state (median of steps 3..N), wall clock and CPU time (the process's threads plus its reaped
-children, i.e. the C++ compiler); Dynamo's graph breaks (``counters["graph_break"]``), graphs
-compiled, recompiles (a frame compiled again because a guard failed) and recompile-limit hits.
+children, i.e. the C++ compiler); Dynamo's graph breaks (``counters["graph_break"]``), frames it
+skipped (ran eagerly: a graph break in a loop skips the whole frame) and compiled, graphs,
+recompiles (a frame compiled again because a guard failed) and recompile-limit hits; whether the
+losses equal the "off" launch's, bitwise. Where patches are applied, 5 more steps after the timed
+ones run under cProfile: the plugin's own code per step (its functions' tottime), an upper bound
+that the machine's load does not move. Wall clock and CPU time are noisy on a shared machine: the
+spread between launches of one setting (printed) is the noise level.
 
     .venv/bin/python bench/compile_cost.py [--rounds 3] [--steps 20] [--modes ...] [--backends ...]
     .venv/bin/python bench/compile_cost.py --json out.json [--baseline-src /tmp/old/src]
