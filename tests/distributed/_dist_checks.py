@@ -170,6 +170,29 @@ def assert_registry(run: RunResult, expected: dict[str, str]) -> None:
     assert not differ, f"the ranks' statuses differ: {differ}"  # one torch, one environment
 
 
+def assert_plugin_off(run: RunResult) -> None:
+    """A run with ``FSDP_AUTOPATCH_ENABLED=0``: the plugin imported, nothing applied on any rank."""
+    for rank in run.ranks:
+        ap = rank.autopatch
+        assert "import_error" not in ap, ap
+        assert ap["applied"] == [], ap
+        assert not any(p["status"] == "applied" for p in ap["patches"]), ap
+
+
+def run_compiling(scenario: str, env: dict[str, str], timeout: float) -> RunResult:
+    """``run_ranks`` of a scenario that compiles: the test skips, saying why, where torch.compile
+    cannot run (the scenario saves ``compile_unavailable``)."""
+    import pytest
+
+    from _dist_launcher import run_ranks
+
+    run = run_ranks(scenario, env=env, timeout=timeout)
+    reason = next((r.data.get("compile_unavailable") for r in run.ranks if r.data), None)
+    if reason:
+        pytest.skip(f"torch.compile is unavailable here: {reason}")
+    return run
+
+
 def fired(run: RunResult, name: str) -> list[int]:
     """``PatchRecord.fired`` of patch ``name`` on each rank, after the scenario trained."""
     return [statuses(rank)[name]["fired"] for rank in run.ranks]

@@ -28,7 +28,7 @@ import torch
 import _compiled_autograd_guard_scenarios as ca_sc
 import _dist_checks as ck
 import _dist_common as sc
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(600)  # two jobs that compile (eager backend): ~15 - 45 s each here
 
@@ -42,11 +42,7 @@ DRIFT_MIN = 1e-2  # measured on 2.13: the first layer 2.5e-02 off eager FSDP2 af
 
 
 def _run(env: dict[str, str]) -> RunResult:
-    run = run_ranks("compiled_autograd_guard", env=env, timeout=TIMEOUT_S)
-    reason = next((r.data.get("compile_unavailable") for r in run.ranks if r.data), None)
-    if reason:
-        pytest.skip(f"torch.compile is unavailable here: {reason}")
-    return run
+    return ck.run_compiling("compiled_autograd_guard", env, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,7 @@ def test_registry(plugin_on, plugin_off):
     ck.assert_registry(plugin_on, ck.EXPECTED_STATUS)
     for name in ck.EXPECTED_STATUS:
         assert ck.fired(plugin_on, name) == [0, 0], name  # a clean model: no patch had to act
-    for rank in plugin_off.ranks:
-        ap = rank.autopatch
-        assert "import_error" not in ap, ap
-        assert ap["applied"] == [], ap
-        assert not any(p["status"] == "applied" for p in ap["patches"]), ap
+    ck.assert_plugin_off(plugin_off)
 
 
 @pytest.mark.parametrize("case", CASES)
