@@ -23,6 +23,10 @@ already hidden, hiding it twice would only cost a second disable per call. Under
 trace ours, as torch's lets it trace torch's, and ours then steps aside while Dynamo traces
 (``torch.compiler.is_compiling()``).
 
+A function torch decorates with ``torch._dynamo.disable`` itself (no wrapper of its own around the
+call: a form the next torch may take) gets ``torch._dynamo.disable(ours, recursive=True)`` once, at
+apply time: the same opaque call to Dynamo.
+
 Where torch does not hide a function, the wrapper steps aside while Dynamo traces it (the isolation
 calls torch's function directly), unless its target is declared ``dynamo=TRACED``: then Dynamo
 traces the wrapper itself (the clip functions, which a compiled step calls), and the structural
@@ -32,6 +36,7 @@ check makes sure torch does not hide that function and that the replacement is a
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from typing import Any, Callable
 
@@ -39,6 +44,7 @@ from ._compat import names_read
 
 ALWAYS = "always"  # torch._dynamo.disable at every call
 WHILE_SKIPPING_FSDP_HOOKS = "while torch._dynamo.config.skip_fsdp_hooks"  # disable_if_config_true
+DISABLED = "disabled"  # the function is torch._dynamo.disable(fn, recursive=True)'s own result
 
 _HIDING = "__fsdp_autopatch_hiding__"  # on our hidden replacement: how torch hid what it replaced
 _INNER = "__fsdp_autopatch_unhidden__"  # on our hidden replacement: what runs inside the hidden region
@@ -51,6 +57,9 @@ def hiding_of(function: Any) -> str | None:
     ours = getattr(function, _HIDING, None)
     if ours is not None:
         return ours
+    if (getattr(function, "_torchdynamo_disable", False) is True and callable(_disabled_original(function))
+            and getattr(function, "_torchdynamo_disable_recursive", True) is True):
+        return DISABLED  # decorated with torch._dynamo.disable itself (a form torch may take next)
     if type(function) is not types.FunctionType or not callable(getattr(function, "__wrapped__", None)):
         return None
     inner = function.__wrapped__
@@ -71,9 +80,13 @@ def _filled(cell: Any) -> bool:
     return True
 
 
+def _disabled_original(function: Any) -> Any:
+    return getattr(function, "_torchdynamo_orig_callable", None)
+
+
 def unhidden(function: Any) -> Any:
     """What ``function`` (hidden, :func:`hiding_of`) runs inside its hidden region."""
-    return getattr(function, _INNER, None) or function.__wrapped__
+    return getattr(function, _INNER, None) or _disabled_original(function) or function.__wrapped__
 
 
 def hidden_replacement(original: Any, isolated_wrapper: Callable[..., Any], method: bool, hiding: str) -> Any:
@@ -89,8 +102,14 @@ def hidden_replacement(original: Any, isolated_wrapper: Callable[..., Any], meth
             return isolated_wrapper(inner, None, args, kwargs)
     functools.update_wrapper(ours, inner)  # the name a wrapper over it sees as ``wrapped.__name__``
 
-    replacement = _same_hiding(original, ours)
+    if hiding == DISABLED:
+        # torch._dynamo is loaded (torch's own decoration used it): disabled once, as torch's is
+        replacement = sys.modules["torch"]._dynamo.disable(ours, recursive=True)
+    else:
+        replacement = _same_hiding(original, ours)
+    own = {k: v for k, v in vars(replacement).items() if k.startswith("_torchdynamo")}
     functools.update_wrapper(replacement, original)
+    vars(replacement).update(own)  # Dynamo's marks stay those of our disabled function, not torch's
     replacement.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(replacement, _HIDING, hiding)
     setattr(replacement, _INNER, ours)

@@ -267,3 +267,46 @@ def test_compiled_clip_meets_the_same_graph_with_the_clip_fixes():
         for module in reversed(patches):
             if module not in applied:
                 _patching.revert(module.PATCH.name)
+
+
+class DisabledState:
+    """A stand-in for a torch that decorates its hook with torch._dynamo.disable itself."""
+
+    calls = 0
+
+    @torch._dynamo.disable(recursive=True)
+    def _pre_forward(self, module, args):
+        DisabledState.calls += 1
+        return None
+
+
+def test_a_hook_decorated_with_dynamo_disable_itself_is_hidden_the_same_way():
+    state = DisabledState()
+    assert _hiding.hiding_of(vars(DisabledState)["_pre_forward"]) == _hiding.DISABLED
+
+    def model_of(state):
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        for layer in (model, model[0], model[2]):
+            layer.register_forward_pre_hook(state._pre_forward)
+        return model
+
+    DisabledState.calls = 0
+    without = _graph_breaks(model_of(state))
+    torch_calls = DisabledState.calls
+    log = []
+    patches = []
+    for name in ("test_inner", "test_outer"):
+        patch = Patch(name=name, summary="", symptom="", trigger="", upstream=(), affected=">=0",
+                      check=lambda: needed(""), changes="",
+                      targets=(Wrap(f"{__name__}:DisabledState._pre_forward", _calls(log)),))
+        _patching.apply(patch)
+        patches.append(name)
+    try:
+        replacement = vars(DisabledState)["_pre_forward"]
+        assert replacement._torchdynamo_orig_callable is _hiding.unhidden(replacement)  # ours, not torch's
+        DisabledState.calls = 0
+        assert _graph_breaks(model_of(DisabledState())) == without
+        assert DisabledState.calls == torch_calls and len(log) == 2 * torch_calls  # both ran, eagerly
+    finally:
+        for name in reversed(patches):
+            _patching.revert(name)
