@@ -118,6 +118,14 @@ def hidden_replacement(original: Any, isolated_wrapper: Callable[..., Any], meth
     return replacement
 
 
+def hidden(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """A callback of ours that torch calls where Dynamo's frame evaluation may be on (an autograd
+    hook registered on a tensor: ``backward()`` inside a compiled function runs it), hidden from
+    Dynamo as torch hides its FSDP2 hooks: it runs eagerly, never compiled as a frame of its own.
+    ``torch._dynamo`` is loaded by then (FSDP2's hidden hooks load it at their first call)."""
+    return sys.modules["torch"]._dynamo.disable(callback, recursive=True)
+
+
 def _same_hiding(original: Any, ours: Callable[..., Any]) -> Any:
     """Torch's hiding wrapper itself, holding ``ours`` where it held torch's function: the same code
     object and globals, a closure whose cell for torch's function holds ``ours`` (every other cell a

@@ -70,7 +70,7 @@ import textwrap
 import warnings
 from typing import Any
 
-from .. import _compat, _events, _isolation
+from .. import _compat, _events, _hiding, _isolation
 from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 NAME = "inplace_view_output"
@@ -168,7 +168,7 @@ def _base_hook(state: Any) -> Any:
             _events.fired(NAME, _WITHOUT, _modules_of(state))
             _isolation.torch_call(state._pre_backward, grad)
 
-    return hook
+    return _hiding.hidden(hook)  # [Note: hidden as torch hides]: not a frame Dynamo compiles
 
 
 # torch's warning for a view output (PyTorch PR 181850): true without this patch, false for the
