@@ -13,9 +13,9 @@ A wrapper of ours in the same place must not undo that. A wrapt proxy there is a
 Dynamo cannot trace (a graph break of its own), and the Python code behind it a frame that Dynamo
 then compiles, guarding on its arguments' types (recompiles: measured, 20 - 23 graph breaks where
 torch has 0 - 1, and ``recompile_limit`` hit in ``isolated_wrapper``). So where torch's function is
-hidden, our replacement is hidden the same way: it calls ``torch._dynamo.disable(ours,
-recursive=True)(...)``: it *is* torch's wrapper (its code object and globals), with our function in
-the closure cell where torch's held its own. Dynamo meets the same code and breaks where it broke
+hidden, our replacement is hidden the same way: it *is* torch's wrapper (its code object and
+globals), with our function in the closure cell where torch's held its own, so it calls
+``torch._dynamo.disable(ours, recursive=True)(...)`` as torch's calls it for torch's function. Dynamo meets the same code and breaks where it broke
 (``torch._dynamo.disable(ours, ...)`` written by hand is traced differently: one more graph break
 per hook, measured). Inside, ours calls torch's function itself (``__wrapped__``): the region is
 already hidden, hiding it twice would only cost a second disable per call. Under
@@ -52,8 +52,9 @@ _INNER = "__fsdp_autopatch_unhidden__"  # on our hidden replacement: what runs i
 
 def hiding_of(function: Any) -> str | None:
     """How torch hides ``function`` from Dynamo: :data:`ALWAYS`, :data:`WHILE_SKIPPING_FSDP_HOOKS`,
-    or None (it does not, or it is not a plain ``functools.wraps`` wrapper whose ``__wrapped__`` we
-    can call inside the hidden region: a third party's proxy over torch's is left as it is)."""
+    :data:`DISABLED` (``torch._dynamo.disable``'s own result), or None (it does not, or it is not a
+    plain ``functools.wraps`` wrapper whose ``__wrapped__`` we can call inside the hidden region: a
+    third party's proxy over torch's is left as it is, and stepped aside while Dynamo traces)."""
     ours = getattr(function, _HIDING, None)
     if ours is not None:
         return ours
