@@ -15,7 +15,8 @@ then compiles, guarding on its arguments' types (recompiles: measured, 20 - 23 g
 torch has 0 - 1, and ``recompile_limit`` hit in ``isolated_wrapper``). So where torch's function is
 hidden, our replacement is hidden the same way: it *is* torch's wrapper (its code object and
 globals), with our function in the closure cell where torch's held its own, so it calls
-``torch._dynamo.disable(ours, recursive=True)(...)`` as torch's calls it for torch's function. Dynamo meets the same code and breaks where it broke
+``torch._dynamo.disable(ours, recursive=True)(...)`` as torch's calls it for torch's function.
+Dynamo meets the same code and breaks where it broke
 (``torch._dynamo.disable(ours, ...)`` written by hand is traced differently: one more graph break
 per hook, measured). Inside, ours calls torch's function itself (``__wrapped__``): the region is
 already hidden, hiding it twice would only cost a second disable per call. Under
