@@ -59,7 +59,6 @@ def test_the_registry_records_each_parameter_once_and_forgets_dead_ones():
     guard.record(fsdp_param)  # a later unshard reuses the parameter: nothing new
     assert guard._unsharded[id(unsharded)] is entry
     assert guard.owner_of(unsharded) is fsdp_param and guard.owner_of(sharded) is None
-    assert guard._hook["handle"] is not None  # armed at the first record
     key = id(unsharded)
     del fsdp_param._unsharded_param, unsharded
     gc.collect()
@@ -74,6 +73,7 @@ def test_the_hook_stops_an_optimizer_holding_unsharded_parameters(applied):
     fsdp_param = fake_fsdp_param(sharded, unsharded)
     guard.record(fsdp_param)
     optimizer = torch.optim.SGD([other, unsharded], lr=0.1)
+    assert guard._hook["handle"] is not None  # armed by the group that holds it (Optimizer.add_param_group)
     for _ in range(2):  # never marked checked: each step stops
         with pytest.raises(GuardError) as caught:
             optimizer.step()
@@ -105,15 +105,15 @@ def test_frozen_and_sharded_parameters_are_not_offenders():
 
 
 def test_our_failure_in_the_hook_reaches_no_step(applied, monkeypatch):
-    param = nn.Parameter(torch.ones(2))
-    guard.record(fake_fsdp_param(nn.Parameter(torch.zeros(1)), nn.Parameter(torch.ones(1))))
+    param, unsharded = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(1))
+    guard.record(fake_fsdp_param(nn.Parameter(torch.zeros(1)), unsharded))
 
     def broken(optimizer):
         raise KeyError("ours")
 
     monkeypatch.setattr(guard, "offenders", broken)
     param.grad = torch.ones(2)
-    torch.optim.SGD([param], lr=0.5).step()  # no exception; torch's step ran
+    torch.optim.SGD([param, unsharded], lr=0.5).step()  # no exception; torch's step ran
     assert torch.equal(param.detach(), torch.full((2,), 0.5))
     assert _isolation.has_failed(guard.NAME) and not guard.is_active()
 
@@ -124,6 +124,7 @@ def test_revert_all_leaves_no_active_check():
     _patching.apply(guard.PATCH)
     sharded, unsharded = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.ones(4))
     guard.record(fake_fsdp_param(sharded, unsharded))
+    torch.optim.SGD([unsharded], lr=0.1)  # arms the hook
     assert guard.is_active()
     try:
         _activate.revert_all()
@@ -185,3 +186,17 @@ def test_fsdp2_right_orders_are_silent(fake_world, order):
     for _ in range(2):
         train_step(model, optimizer)
     assert optimizer in guard._checked
+
+
+def test_no_step_hook_until_a_group_holds_an_unsharded_parameter(applied, monkeypatch):
+    """[Note: a step hook only where needed]: on Python 3.13 any step pre-hook changes a compiled step."""
+    monkeypatch.setattr(guard, "_hook", {"handle": None})
+    sharded, unsharded = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.ones(4))
+    fsdp_param = fake_fsdp_param(sharded, unsharded)
+    guard.record(fsdp_param)
+    optimizer = torch.optim.SGD([sharded], lr=0.1)
+    guard._arm_if_held(optimizer.add_param_group, optimizer, ({"params": [nn.Parameter(torch.ones(1))]},), {})
+    assert guard._hook["handle"] is None
+    guard._arm_if_held(optimizer.add_param_group, optimizer, ({"params": [unsharded]},), {})
+    assert guard._hook["handle"] is not None
+    guard._hook["handle"].remove()

@@ -88,3 +88,18 @@ def test_the_fake_backend_is_not_compared_and_nothing_is_recorded_as_failed(fake
         _step(model, optimizer)
     assert optimizer in guard._checked
     assert applied.snapshot()[guard.NAME].fired == 0 and not _isolation.has_failed(guard.NAME)
+
+
+def test_no_step_hook_until_a_root_and_a_plain_trainable_parameter(fake_world, applied, monkeypatch):
+    """[Note: a step hook only where needed]: every parameter a DTensor (FSDP2's), or no root: none."""
+    monkeypatch.setattr(guard, "_hook", {"handle": None, "plain_trainable": False})
+    monkeypatch.setattr(guard, "_roots", [])
+    model = _model_with_adapter(fake_world)
+    model.adapter.weight.requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    _step(model, optimizer)  # the root recorded; every trainable parameter a DTensor
+    assert guard._roots and guard._hook["handle"] is None
+    plain = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # a plain trainable one: now both seen
+    guard._note_plain_trainable(plain.add_param_group, plain, ({"params": [nn.Parameter(torch.ones(1))]},), {})
+    assert guard._hook["handle"] is not None
+    guard._hook["handle"].remove()

@@ -32,8 +32,10 @@ The guard
       unsharded parameter (``id -> (weakref(param), weakref(FSDPParam))``; not a
       ``WeakKeyDictionary``: its lookups compare tensors with ``==``). Later unshards reuse the
       object: one dict lookup and one identity test per call;
-    * the first time it records one, it installs ONE global optimizer step pre-hook
-      (``torch.optim.optimizer.register_optimizer_step_pre_hook``), kept for the process. The first
+    * a wrapper of ``Optimizer.add_param_group`` (which ``Optimizer.__init__`` calls per group)
+      installs, the first time a group holds a recorded unsharded parameter, ONE global optimizer
+      step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``), kept for the
+      process ([Note: a step hook only where needed] in ``_isolation``). The first
       ``step()`` of each optimizer (then a ``WeakSet`` membership test per step) looks every
       parameter of its ``param_groups`` up; one that is a recorded unsharded parameter (not its
       FSDPParam's ``sharded_param``, ``requires_grad``) makes the step raise
@@ -41,13 +43,12 @@ The guard
       and the toggle, on every rank that holds them (each rank's optimizer is built alike), before
       the optimizer changes anything. An optimizer with such parameters is never marked checked:
       each step raises again. Frozen parameters are skipped (they would not train anyway).
-    Why a lazily installed global hook and not a ``Wrap`` of ``torch.optim.Optimizer``: the hook
-    covers every ``Optimizer`` subclass and every optimizer, whenever it was built, with no
-    target outside FSDP2, and a process that never unshards an FSDP2 parameter gets no hook at
-    all. A global hook is not a target, so ``_patching.revert`` cannot remove it (and torch
-    iterates the hook dict while calling it, so it cannot remove itself): it checks first that
-    this patch is applied, and does nothing once the patch was reverted, disabled or failed; a
-    later apply reuses it. Not done: replacing the parameters in ``param_groups`` (a fix) would
+    Why a global hook and not a ``Wrap`` of ``step``: each ``Optimizer`` subclass defines its own
+    ``step`` (``add_param_group`` is the base class's), and a process whose optimizers hold no
+    unsharded parameter gets no hook at all. A global hook is not a target, so
+    ``_patching.revert`` cannot remove it (and torch iterates the hook dict while calling it, so
+    it cannot remove itself): it checks first that this patch is applied, and does nothing once
+    the patch was reverted, disabled or failed; a later apply reuses it. Not done: replacing the parameters in ``param_groups`` (a fix) would
     rewrite a user object silently, and an optimizer loaded from a checkpoint keys its state by
     the tensor.
 
@@ -131,15 +132,22 @@ def record(fsdp_param: Any) -> None:
         return  # the common path: a later unshard reuses the parameter
     reference = weakref.ref(param, lambda ref, key=key: _forget(key, ref))
     _unsharded[key] = (reference, weakref.ref(fsdp_param))
-    if _hook["handle"] is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
 
 
 def _record_unsharded(wrapped, fsdp_param, args, kwargs):
     result = wrapped(*args, **kwargs)
     record(fsdp_param)
+    return result
+
+
+def _arm_if_held(wrapped, optimizer, args, kwargs):
+    """``Optimizer.add_param_group``: torch's, then the step hook if the group holds an unsharded
+    parameter ([Note: a step hook only where needed] in ``_isolation``)."""
+    result = wrapped(*args, **kwargs)
+    if _hook["handle"] is None and any(owner_of(param) is not None for param in optimizer.param_groups[-1]["params"]):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
     return result
 
 
@@ -212,7 +220,10 @@ PATCH = Patch(
     # read in 2.6 - 2.15 (the root is kept unsharded after forward in each), measured on 2.13 and 2.15
     affected=">=2.6,<2.16",
     check=_structural_check,
-    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_param:FSDPParam.init_unsharded_param", _record_unsharded),),
+    targets=(
+        Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_param:FSDPParam.init_unsharded_param", _record_unsharded),
+        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _arm_if_held),
+    ),
     changes="each optimizer's first step checks that it holds no FSDP2 unsharded parameter",
     kind=GUARD,
 )

@@ -27,8 +27,10 @@ Needed here?
 
 The guard
     * a wrapper of ``FSDPState._lazy_init`` records, after torch's method, each root (weak references
-      to its module and state): no collective, no scan. The first root recorded installs ONE global
-      optimizer step pre-hook, kept for the process (as ``optimizer_unsharded_params_guard`` does);
+      to its module and state): no collective, no scan. A wrapper of ``Optimizer.add_param_group``
+      notes an optimizer that holds a trainable parameter that is no DTensor. Once both were seen,
+      ONE global optimizer step pre-hook is installed, kept for the process (as
+      ``optimizer_unsharded_params_guard`` does; [Note: a step hook only where needed] in ``_isolation``);
     * at the first ``step()`` of each optimizer (then one ``WeakSet`` test per step), the trainable
       parameters it holds that lie in a recorded root's module tree and are no FSDPParam's sharded
       parameter are the unmanaged ones: found then, so an adapter added after the first forward is
@@ -70,7 +72,7 @@ NAME = "unmanaged_trainable_params_guard"
 _MAX_NAMED = 4  # the error names the first few parameters
 _roots: list[tuple[Any, Any]] = []  # (weakref to the root module, weakref to its FSDPState)
 _checked: Any = weakref.WeakSet()  # optimizers whose first step was checked and found right
-_hook: dict[str, Any] = {"handle": None}
+_hook: dict[str, Any] = {"handle": None, "plain_trainable": False}
 
 
 def _structural_check() -> Verdict:
@@ -102,11 +104,29 @@ def _record_root(wrapped, state, args, kwargs):
         _roots[:] = [(m, s) for m, s in _roots if m() is not None and s() is not None]
         if modules:
             _roots.append((weakref.ref(modules[0]), weakref.ref(state)))
-        if _hook["handle"] is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
+        _arm_when_both_seen()
     return result
+
+
+def _note_plain_trainable(wrapped, optimizer, args, kwargs):
+    """``Optimizer.add_param_group``: torch's, then note a trainable parameter that is no DTensor
+    (what an unmanaged one is; FSDP2's sharded parameters are DTensors)."""
+    result = wrapped(*args, **kwargs)
+    if not _hook["plain_trainable"] and any(
+        param.requires_grad and not hasattr(param, "placements") for param in optimizer.param_groups[-1]["params"]
+    ):
+        _hook["plain_trainable"] = True
+        _arm_when_both_seen()
+    return result
+
+
+def _arm_when_both_seen() -> None:
+    """The step hook, once a root was recorded and an optimizer holds a plain trainable parameter,
+    in either order ([Note: a step hook only where needed] in ``_isolation``)."""
+    if _hook["handle"] is None and _hook["plain_trainable"] and _roots:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
 
 
 def _forget_roots() -> None:
@@ -276,7 +296,10 @@ PATCH = Patch(
     # read in 2.6 - 2.15 (fully_shard manages what it saw); measured on 2.8 - 2.15
     affected=">=2.6,<2.16",
     check=_structural_check,
-    targets=(Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState._lazy_init", _record_root),),
+    targets=(
+        Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState._lazy_init", _record_root),
+        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _note_plain_trainable),
+    ),
     changes="each optimizer's first step compares its unmanaged trainable parameters across the data-parallel ranks",
     kind=GUARD,
 )
