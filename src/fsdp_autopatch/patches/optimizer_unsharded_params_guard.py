@@ -48,9 +48,9 @@ The guard
     unsharded parameter gets no hook at all. A global hook is not a target, so
     ``_patching.revert`` cannot remove it (and torch iterates the hook dict while calling it, so
     it cannot remove itself): it checks first that this patch is applied, and does nothing once
-    the patch was reverted, disabled or failed; a later apply reuses it. Not done: replacing the parameters in ``param_groups`` (a fix) would
-    rewrite a user object silently, and an optimizer loaded from a checkpoint keys its state by
-    the tensor.
+    the patch was reverted, disabled or failed; a later apply reuses it. Not done: replacing the
+    parameters in ``param_groups`` (a fix) would rewrite a user object silently, and an optimizer
+    loaded from a checkpoint keys its state by the tensor.
 
 Call-time isolation
     The recording runs after torch's method (its result is kept should it raise). The hook's code
