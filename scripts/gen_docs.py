@@ -10,6 +10,9 @@ package docstring: ``.. generated: NAME`` and ``.. end generated``):
 * README.md ``patches``: the table of fixes and guards; ``demo-bugs``: the ``demo --bug`` names;
 * docs/configuration.md ``toggles``: one row per fix and guard variable;
 * docs/how-it-works.md ``ordering``: the catalogue's order, each entry's kind and ``after``;
+* docs/compatibility.md ``expected``: each fix's and guard's registry status per measured release,
+  from ``tests/expected.py``;
+* CHANGELOG.md ``entries``: the fixes and guards added since 0.2.0, one line each;
 * src/fsdp_autopatch/__init__.py ``patches``: the docstring's list.
 
 The matrix report's header comes from ``tests/expected.py`` (the hand-written oracle), which
@@ -113,11 +116,48 @@ def init_list() -> str:
     return "\n".join(items)
 
 
+# The fixes and guards fsdp-autopatch 0.2.0 shipped; the changelog lists every later one (``entries``).
+IN_0_2_0 = frozenset({
+    "accumulated_grad_guard", "unused_param_reduction", "uniform_reduce_dtype", "restore_unused_param_grads",
+    "post_forward_mesh_cache", "grouped_module_reuse", "keep_param_attributes", "clip_grad_norm_multi_mesh",
+})
+
+
+def changelog_entries() -> str:
+    """One line per fix and guard added since 0.2.0: what a release note says of it, from its
+    declaration (its page holds the rest: symptom, versions, measurements)."""
+    lines = ["Fixes and guards added since 0.2.0 (each on by default; its page says what it fixes and where):", ""]
+    for patch in _fixes():
+        if patch.name in IN_0_2_0:
+            continue
+        upstream = f"; {', '.join(patch.upstream)}" if patch.upstream else ""
+        lines.append(f"- [`{patch.name}`](docs/patches/{patch.name}.md) ({patch.kind}, torch "
+                     f"{torch_range(patch.affected)}{upstream}): {patch.summary}.")
+    return "\n".join(lines)
+
+
+def expected_rows() -> str:
+    """Per fix and guard, the registry status each measured release must report (tests/expected.py,
+    which the tests and the matrix runner check): the rows the next full matrix run writes."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import expected
+
+    releases = [release for release in expected.MEASURED if release >= expected.OLDEST_RUNNABLE]
+    lines = ["| entry | " + " | ".join(expected.release_text(r) for r in releases) + " |",
+             "|---|" + "---|" * len(releases)]
+    statuses = {release: expected.expected_status(release) for release in releases}
+    for name in expected.PATCHES:
+        lines.append(f"| [`{name}`](patches/{name}.md) | " + " | ".join(statuses[r][name] for r in releases) + " |")
+    return "\n".join(lines)
+
+
 # file -> [(block name, generator, comment style)]
 TARGETS = {
     ROOT / "README.md": [("patches", readme_table, "html"), ("demo-bugs", demo_bugs, "html")],
     ROOT / "docs" / "configuration.md": [("toggles", toggle_rows, "html")],
     ROOT / "docs" / "how-it-works.md": [("ordering", ordering, "html")],
+    ROOT / "docs" / "compatibility.md": [("expected", expected_rows, "html")],
+    ROOT / "CHANGELOG.md": [("entries", changelog_entries, "html")],
     ROOT / "src" / "fsdp_autopatch" / "__init__.py": [("patches", init_list, "rst")],
 }
 _MARKERS = {
