@@ -47,6 +47,7 @@ PATCHES = (
     "unmanaged_trainable_params_guard",  # a guard (kind GUARD)
     "peft_generate_forward_method",
     "frozen_first_mp_dtypes",
+    "param_written_in_forward",  # a guard (kind GUARD)
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -71,6 +72,7 @@ BUG_OF = {
     "clip_grad_norm_cpu_offload": "u",  # NeMo Automodel PR 3461, torchtune PR 2108, axolotl issue 3058
     "peft_generate_forward_method": "t",  # TRL issue 4550
     "frozen_first_mp_dtypes": "y",  # PyTorch issue 186998 (PR 187376)
+    "param_written_in_forward": "z",  # no upstream issue (nn.Embedding max_norm under FSDP2)
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -167,6 +169,9 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # not_needed); 2.8 - 2.12 inferred (the requires_grad filter came with PyTorch PR 154103, 2.8);
         # 2.6 / 2.7 inferred (every parameter's dtype: nothing to fix)
         "frozen_first_mp_dtypes": "applied" if (2, 8) <= release < (2, 14) else "not_needed",
+        # (z) wait_for_unshard / reshard never write the unsharded copy back: measured 2.13, 2.15; read 2.14.1;
+        # 2.6 - 2.12 inferred (the same two methods since FSDP2's first releases)
+        "param_written_in_forward": "applied",
     }
 
 
@@ -236,6 +241,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (right: bf16-close to the fp32 reference); read 2.14.1 (torch's fix); 2.8 - 2.12 inferred (PR 154103's
         # requires_grad filter; the issue's "to a tensor with dtype 'float'" wording); 2.6 / 2.7 inferred right
         "y": REPRODUCES if (2, 8) <= release < (2, 14) else FIXED,
+        # (z) measured 2.13, 2.15 (the embedding's renormalized rows dropped at reshard, silently); read 2.14.1;
+        # 2.8 - 2.12 inferred (FSDP2 has never written an unsharded parameter back)
+        "z": REPRODUCES,
     }
 
 
@@ -417,6 +425,14 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "on": {**COMPLETED, "params": BF16},
             "off": {"error": "RuntimeError: attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor "
                              "with "},
+        },
+        # (z) nn.Embedding(max_norm=1.0) in a unit: the renormalized rows are dropped at each reshard, the weights
+        # far from the reference that keeps them (measured 2.13: max relative |weight - reference| 3.8 on
+        # 0.weight); with the guard the first forward stops at the embedding's post-forward reshard
+        "param_written_in_forward": {
+            "on": {"error": "GuardError: fsdp-autopatch guard param_written_in_forward: 0.weight (unit 0) was written "
+                            "in place since FSDP2 unsharded it"},
+            "off": {**COMPLETED, "params": WRONG},
         },
     }
 
