@@ -111,8 +111,8 @@ def _stop(group: Any, written: list[Any]) -> Any:
         "writes no unsharded parameter back to its shard, so resharding drops the write and the next forward "
         "and the optimizer see the old values",
         "Do not update a managed parameter in place in forward: for nn.Embedding(max_norm=...) leave max_norm "
-        "None and renormalize the sharded weight after optimizer.step() under torch.no_grad(), or compute the "
-        "renormalized rows out of place (F.embedding(ids, weight) * scale)",
+        "None and renormalize the sharded weight after optimizer.step() under torch.no_grad(), or scale the "
+        "looked-up rows out of place and leave the weight as it is",
     )
 
 
