@@ -46,6 +46,8 @@ PATCHES = (
     "inference_mode_first_forward",
     "unmanaged_trainable_params_guard",  # a guard (kind GUARD)
     "peft_generate_forward_method",
+    "frozen_first_mp_dtypes",
+    "param_written_in_forward",  # a guard (kind GUARD)
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -69,6 +71,8 @@ BUG_OF = {
     "unmanaged_trainable_params_guard": "r",  # transformers PR 48792, FastVideo PR 1666
     "clip_grad_norm_cpu_offload": "u",  # NeMo Automodel PR 3461, torchtune PR 2108, axolotl issue 3058
     "peft_generate_forward_method": "t",  # TRL issue 4550
+    "frozen_first_mp_dtypes": "y",  # PyTorch issue 186998 (PR 187376)
+    "param_written_in_forward": "z",  # no upstream issue (nn.Embedding max_norm under FSDP2)
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -160,6 +164,14 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # (t) FSDP2 runs its hooks around forward only: measured 2.13; read 2.14.1, 2.15.0; 2.6 - 2.12 the same
         # register_fsdp_forward_method (PR 125394, 2.4), not read: the matrix measures the check there
         "peft_generate_forward_method": "applied",
+        # (y) _init_mp_dtypes takes the dtypes from the trainable parameters only: measured 2.13 (applied) and
+        # 2.15 (not_needed: the floating parameters decide, PyTorch PR 187376); read 2.14.1 (the same fix:
+        # not_needed); 2.8 - 2.12 inferred (the requires_grad filter came with PyTorch PR 154103, 2.8);
+        # 2.6 / 2.7 inferred (every parameter's dtype: nothing to fix)
+        "frozen_first_mp_dtypes": "applied" if (2, 8) <= release < (2, 14) else "not_needed",
+        # (z) wait_for_unshard / reshard never write the unsharded copy back: measured 2.13, 2.15; read 2.14.1;
+        # 2.6 - 2.12 inferred (the same two methods since FSDP2's first releases)
+        "param_written_in_forward": "applied",
     }
 
 
@@ -225,6 +237,13 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (t) measured 2.13 (peft 0.21, transformers 5.25: the mixed Tensor / DTensor error at the first op on the
         # root's parameters, before and after the first step); not a torch change: any FSDP2 release alike
         "t": REPRODUCES,
+        # (y) measured 2.13 (the grad_dtype RuntimeError at the first backward after unfreezing) and 2.15
+        # (right: bf16-close to the fp32 reference); read 2.14.1 (torch's fix); 2.8 - 2.12 inferred (PR 154103's
+        # requires_grad filter; the issue's "to a tensor with dtype 'float'" wording); 2.6 / 2.7 inferred right
+        "y": REPRODUCES if (2, 8) <= release < (2, 14) else FIXED,
+        # (z) measured 2.13, 2.15 (the embedding's renormalized rows dropped at reshard, silently); read 2.14.1;
+        # 2.8 - 2.12 inferred (FSDP2 has never written an unsharded parameter back)
+        "z": REPRODUCES,
     }
 
 
@@ -397,6 +416,23 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "on": {**COMPLETED, "grads": REFERENCE, "params": REFERENCE},
             "off": {"error": ("RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor",
                               "RuntimeError: aten.embedding.default: got mixed torch.Tensor and DTensor")},
+        },
+        # (y) the first backward after unfreezing reduces the unit's bf16 gradient as bf16 (reduce_dtype None)
+        # and assigns it to the fp32 sharded parameter (measured 2.13: "... to a tensor with grad_dtype 'Float'";
+        # the issue's older torch: "... to a tensor with dtype 'float'"); with the fix the weights are bitwise
+        # 2.15's (measured), within bf16 tolerance of the fp32 reference (max relative 4.5e-3)
+        "frozen_first_mp_dtypes": {
+            "on": {**COMPLETED, "params": BF16},
+            "off": {"error": "RuntimeError: attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor "
+                             "with "},
+        },
+        # (z) nn.Embedding(max_norm=1.0) in a unit: the renormalized rows are dropped at each reshard, the weights
+        # far from the reference that keeps them (measured 2.13: max relative |weight - reference| 3.8 on
+        # 0.weight); with the guard the first forward stops at the embedding's post-forward reshard
+        "param_written_in_forward": {
+            "on": {"error": "GuardError: fsdp-autopatch guard param_written_in_forward: 0.weight (unit 0) was written "
+                            "in place since FSDP2 unsharded it"},
+            "off": {**COMPLETED, "params": WRONG},
         },
     }
 

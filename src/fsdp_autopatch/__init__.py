@@ -41,6 +41,10 @@ switchable by an environment variable, and a registry records what happened:
                                            stop the first step where the ranks' copies differ.
 * ``peft_generate_forward_method``       – `generate()` on a PEFT model that is FSDP2's root runs inside the root's
                                            pre-/post-forward.
+* ``frozen_first_mp_dtypes``             – a unit frozen at the first forward and unfrozen later reduces in the
+                                           mixed-precision reduce_dtype.
+* ``param_written_in_forward``           – a forward that writes a managed parameter in place
+                                           (nn.Embedding(max_norm=...)) stops at the reshard that would drop the write.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
