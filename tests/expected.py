@@ -46,6 +46,7 @@ PATCHES = (
     "inference_mode_first_forward",
     "unmanaged_trainable_params_guard",  # a guard (kind GUARD)
     "peft_generate_forward_method",
+    "cast_inputs_keep_containers",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -69,6 +70,7 @@ BUG_OF = {
     "unmanaged_trainable_params_guard": "r",  # transformers PR 48792, FastVideo PR 1666
     "clip_grad_norm_cpu_offload": "u",  # NeMo Automodel PR 3461, torchtune PR 2108, axolotl issue 3058
     "peft_generate_forward_method": "t",  # TRL issue 4550
+    "cast_inputs_keep_containers": "x",  # transformers issue 45663 (and PRs 45716 / 45912), verl PR 7657
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -160,6 +162,9 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # (t) FSDP2 runs its hooks around forward only: measured 2.13; read 2.14.1, 2.15.0; 2.6 - 2.12 the same
         # register_fsdp_forward_method (PR 125394, 2.4), not read: the matrix measures the check there
         "peft_generate_forward_method": "applied",
+        # (x) _pre_forward's cast walk rebuilds every container: measured 2.13, 2.15; read, not run, 2.14 and
+        # 2.8 - 2.12 (the same _apply_to_tensors, called in _pre_forward itself before _cast_forward_inputs)
+        "cast_inputs_keep_containers": "applied",
     }
 
 
@@ -225,6 +230,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (t) measured 2.13 (peft 0.21, transformers 5.25: the mixed Tensor / DTensor error at the first op on the
         # root's parameters, before and after the first step); not a torch change: any FSDP2 release alike
         "t": REPRODUCES,
+        # (x) measured 2.13, 2.15 (0 of 3 auxiliary losses reach the caller; KeyError for the shared dict); read,
+        # not run, 2.8 - 2.12 and 2.14 (the same walk: _apply_to_tensors rebuilds every list, dict, dataclass)
+        "x": REPRODUCES,
     }
 
 
@@ -397,6 +405,13 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "on": {**COMPLETED, "grads": REFERENCE, "params": REFERENCE},
             "off": {"error": ("RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor",
                               "RuntimeError: aten.embedding.default: got mixed torch.Tensor and DTensor")},
+        },
+        # (x) each block appends its fp32 auxiliary loss to a copy of the caller's list: 0 of 3 reach the loss
+        # (measured 2.13, 2.15: relative |grad - reference| 0.97); with the patch 3 of 3 and the gradients of the
+        # one-process bf16 reference (measured 0.0 on 2.13 and 2.15)
+        "cast_inputs_keep_containers": {
+            "on": {**COMPLETED, "grads": REFERENCE, "values": {"aux_terms": 3}},
+            "off": {**COMPLETED, "grads": WRONG, "values": {"aux_terms": 0}},
         },
     }
 
