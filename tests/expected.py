@@ -48,6 +48,7 @@ PATCHES = (
     "peft_generate_forward_method",
     "frozen_first_mp_dtypes",
     "param_written_in_forward",  # a guard (kind GUARD)
+    "cast_inputs_keep_containers",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -73,6 +74,7 @@ BUG_OF = {
     "peft_generate_forward_method": "t",  # TRL issue 4550
     "frozen_first_mp_dtypes": "y",  # PyTorch issue 186998 (PR 187376)
     "param_written_in_forward": "z",  # no upstream issue (nn.Embedding max_norm under FSDP2)
+    "cast_inputs_keep_containers": "x",  # transformers issue 45663 (and PRs 45716 / 45912), verl PR 7657
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -172,6 +174,9 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # (z) wait_for_unshard / reshard never write the unsharded copy back: measured 2.13, 2.15; read 2.14.1;
         # 2.6 - 2.12 inferred (the same two methods since FSDP2's first releases)
         "param_written_in_forward": "applied",
+        # (x) _pre_forward's cast walk rebuilds every container: measured 2.13, 2.15; read, not run, 2.14 and
+        # 2.8 - 2.12 (the same _apply_to_tensors, called in _pre_forward itself before _cast_forward_inputs)
+        "cast_inputs_keep_containers": "applied",
     }
 
 
@@ -244,6 +249,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (z) measured 2.13, 2.15 (the embedding's renormalized rows dropped at reshard, silently); read 2.14.1;
         # 2.8 - 2.12 inferred (FSDP2 has never written an unsharded parameter back)
         "z": REPRODUCES,
+        # (x) measured 2.13, 2.15 (0 of 3 auxiliary losses reach the caller; KeyError for the shared dict); read,
+        # not run, 2.8 - 2.12 and 2.14 (the same walk: _apply_to_tensors rebuilds every list, dict, dataclass)
+        "x": REPRODUCES,
     }
 
 
@@ -433,6 +441,13 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "on": {"error": "GuardError: fsdp-autopatch guard param_written_in_forward: 0.weight (unit 0) was written "
                             "in place since FSDP2 unsharded it"},
             "off": {**COMPLETED, "params": WRONG},
+        },
+        # (x) each block appends its fp32 auxiliary loss to a copy of the caller's list: 0 of 3 reach the loss
+        # (measured 2.13, 2.15: relative |grad - reference| 0.97); with the patch 3 of 3 and the gradients of the
+        # one-process bf16 reference (measured 0.0 on 2.13 and 2.15)
+        "cast_inputs_keep_containers": {
+            "on": {**COMPLETED, "grads": REFERENCE, "values": {"aux_terms": 3}},
+            "off": {**COMPLETED, "grads": WRONG, "values": {"aux_terms": 0}},
         },
     }
 

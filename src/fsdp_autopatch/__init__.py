@@ -45,6 +45,8 @@ switchable by an environment variable, and a registry records what happened:
                                            mixed-precision reduce_dtype.
 * ``param_written_in_forward``           – a forward that writes a managed parameter in place
                                            (nn.Embedding(max_norm=...)) stops at the reshard that would drop the write.
+* ``cast_inputs_keep_containers``        – a list, dict or dataclass a unit is given and changes (aux losses appended,
+                                           shared KV states) reaches its caller.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
