@@ -46,6 +46,7 @@ PATCHES = (
     "inference_mode_first_forward",
     "unmanaged_trainable_params_guard",  # a guard (kind GUARD)
     "peft_generate_forward_method",
+    "reshard_stale_unsharded",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -69,6 +70,7 @@ BUG_OF = {
     "unmanaged_trainable_params_guard": "r",  # transformers PR 48792, FastVideo PR 1666
     "clip_grad_norm_cpu_offload": "u",  # NeMo Automodel PR 3461, torchtune PR 2108, axolotl issue 3058
     "peft_generate_forward_method": "t",  # TRL issue 4550
+    "reshard_stale_unsharded": "v",  # Robbyant/lingbot-vla PR 50; PyTorch PR 137348 (the same for prefetches)
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -160,6 +162,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # (t) FSDP2 runs its hooks around forward only: measured 2.13; read 2.14.1, 2.15.0; 2.6 - 2.12 the same
         # register_fsdp_forward_method (PR 125394, 2.4), not read: the matrix measures the check there
         "peft_generate_forward_method": "applied",
+        # (v) unshard's early return on an unsharded group: measured 2.13, 2.15; read, not run, 2.8 - 2.12, 2.14
+        "reshard_stale_unsharded": "applied",
     }
 
 
@@ -225,6 +229,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (t) measured 2.13 (peft 0.21, transformers 5.25: the mixed Tensor / DTensor error at the first op on the
         # root's parameters, before and after the first step); not a torch change: any FSDP2 release alike
         "t": REPRODUCES,
+        # (v) measured 2.13, 2.15 (the clip sees 0 of 6 gradients, the weights off the reference after 3 steps);
+        # read, not run, 2.8 - 2.12 and 2.14 (the same early return in FSDPParamGroup.unshard)
+        "v": REPRODUCES,
     }
 
 
@@ -397,6 +404,14 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
             "on": {**COMPLETED, "grads": REFERENCE, "params": REFERENCE},
             "off": {"error": ("RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor",
                               "RuntimeError: aten.embedding.default: got mixed torch.Tensor and DTensor")},
+        },
+        # (v) set_reshard_after_backward(False) across 3 clipped SGD steps: model.parameters() shows the unsharded
+        # copies without gradients (the clip sees 0 of 6, norm 0.0 against 6.03) and each forward after a step
+        # reuses the copy of before it (measured 2.13 and 2.15: relative |weight - reference| 1.9); with the fix
+        # the one-process reference (7.7e-08 on 2.13)
+        "reshard_stale_unsharded": {
+            "on": {**COMPLETED, "params": REFERENCE, "values": {"with_grad": [6, 6, 6]}},
+            "off": {**COMPLETED, "params": WRONG, "values": {"with_grad": [0, 0, 0]}},
         },
     }
 

@@ -85,6 +85,7 @@ ENTRIES = (
     Entry("inference_mode_first_forward"),
     Entry("unmanaged_trainable_params_guard", GUARD),
     Entry("peft_generate_forward_method"),
+    Entry("reshard_stale_unsharded"),
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
     # kill_switch=False: a rank whose plugin is switched off still checks, so that its peers learn it
     Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True, kill_switch=False),
