@@ -41,6 +41,8 @@ switchable by an environment variable, and a registry records what happened:
                                            stop the first step where the ranks' copies differ.
 * ``peft_generate_forward_method``       – `generate()` on a PEFT model that is FSDP2's root runs inside the root's
                                            pre-/post-forward.
+* ``reshard_stale_unsharded``            – a unit left unsharded across `optimizer.step()` is resharded, so the next
+                                           forward uses the stepped weights.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

@@ -226,9 +226,8 @@ PATCH = Patch(
     name=NAME,
     summary="a unit left unsharded across `optimizer.step()` is resharded, so the next forward uses the "
             "stepped weights",
-    symptom="silent: the forward after optimizer.step() reuses the unsharded weights gathered before it "
-            "(params 4.7e-3 off the reference after 3 steps); clip_grad_norm_(model.parameters()) sees "
-            "a norm of 0.0",
+    symptom="silent: the forward after optimizer.step() reuses the unsharded weights gathered before it, and "
+            "clip_grad_norm_(model.parameters()) sees a norm of 0.0 (the unsharded copies have no gradients)",
     trigger="a unit still unsharded at optimizer.step(): set_reshard_after_backward(False) left on, the root's "
             "reshard_after_forward=False plus a no_grad forward before the step, a unit unsharded by hand",
     upstream=("PyTorch PR 137348 (the same mechanism for prefetches)", "Robbyant/lingbot-vla PR 50"),
