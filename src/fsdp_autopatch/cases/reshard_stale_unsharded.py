@@ -65,7 +65,8 @@ def reference(world_size: int) -> dict[str, Any]:
     """One process: each step on the mean of every rank's loss, clipped, then SGD."""
     model = _model()
     batches = [rank_batch(rank) for rank in range(world_size)]
-    return _train(model, lambda step: [sum_loss(model, b) / world_size for b in batches], dict(model.named_parameters()))
+    params = dict(model.named_parameters())
+    return _train(model, lambda step: [sum_loss(model, b) / world_size for b in batches], params)
 
 
 def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:
