@@ -162,7 +162,7 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # (t) FSDP2 runs its hooks around forward only: measured 2.13; read 2.14.1, 2.15.0; 2.6 - 2.12 the same
         # register_fsdp_forward_method (PR 125394, 2.4), not read: the matrix measures the check there
         "peft_generate_forward_method": "applied",
-        # (v) unshard's early return on an unsharded group: measured 2.13, 2.15; read, not run, 2.8 - 2.12, 2.14
+        # (v) unshard's early return on an unsharded group: measured 2.13, 2.15; read 2.14; 2.6 - 2.12 inferred
         "reshard_stale_unsharded": "applied",
     }
 
@@ -230,7 +230,7 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # root's parameters, before and after the first step); not a torch change: any FSDP2 release alike
         "t": REPRODUCES,
         # (v) measured 2.13, 2.15 (the clip sees 0 of 6 gradients, the weights off the reference after 3 steps);
-        # read, not run, 2.8 - 2.12 and 2.14 (the same early return in FSDPParamGroup.unshard)
+        # read, not run, 2.14 (the same early return in FSDPParamGroup.unshard); 2.8 - 2.12 inferred, not read
         "v": REPRODUCES,
     }
 

@@ -231,7 +231,7 @@ PATCH = Patch(
     trigger="a unit still unsharded at optimizer.step(): set_reshard_after_backward(False) left on, the root's "
             "reshard_after_forward=False plus a no_grad forward before the step, a unit unsharded by hand",
     upstream=("PyTorch PR 137348 (the same mechanism for prefetches)", "Robbyant/lingbot-vla PR 50"),
-    # measured 2.13, 2.15; read, not run, 2.6 - 2.12 and 2.14 (the same early return in unshard).
+    # measured 2.13, 2.15; read, not run, 2.14 (the same early return in unshard); 2.6 - 2.12 inferred.
     # <2.16 means "measured up to 2.15", not "fixed in 2.16": on a later release the check decides.
     affected=">=2.6,<2.16",
     check=_structural_check,
