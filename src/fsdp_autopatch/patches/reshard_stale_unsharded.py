@@ -15,8 +15,9 @@ Needed here?
     ``FSDPParamGroup.unshard`` returns early on ``is_unsharded``, ``FSDPParamGroup.post_backward``
     keeps the group unsharded unless ``reshard_after_backward``, ``FSDPParamGroup.reshard`` goes to
     ``_to_sharded``, ``FSDPState._root_post_backward_final_callback`` reads ``_state_ctx`` /
-    ``is_last_backward``, and ``torch.optim.optimizer`` offers ``register_optimizer_step_pre_hook``
-    -> needed. Anything else -> unsupported (torch untouched).
+    ``is_last_backward``, ``FSDPState._post_forward(module, input, output)`` exists, and
+    ``torch.optim.optimizer`` offers ``register_optimizer_step_pre_hook`` -> needed. Anything else
+    -> unsupported (torch untouched).
 
 The replacement
     * ``FSDPParamGroup.post_backward``: before torch's method, whether this call reduces gradients
@@ -32,8 +33,11 @@ The replacement
       finalization), each remembered group of this root that is still unsharded and idle is
       resharded (``FSDPParamGroup.reshard()``, what ``model.reshard()`` calls): the module exposes
       the sharded parameters with their gradients again (``clip_grad_norm_(model.parameters())``).
-      The callback also records the root's shared state context and, the first time, installs ONE
-      global optimizer step pre-hook, kept for the process.
+      The callback also records the root's shared state context and, the first time a unit of it
+      is still unsharded then, installs ONE global optimizer step pre-hook, kept for the process;
+      so does ``FSDPState._post_forward`` of a forward without autograd (an evaluation) that leaves
+      its unit unsharded (the root, by default): [Note: a step hook only where needed] in
+      ``_isolation`` (on Python 3.13 any step pre-hook changes a compiled step).
     * the step pre-hook (``_isolation.aside_while_compiling``: nothing of ours in a compiled step)
       looks at every group of the recorded roots: one that is unsharded and idle (its root is not
       in a forward or a backward, the group's training state is IDLE, no all-gather waits for its
@@ -91,6 +95,8 @@ def _structural_check() -> Verdict:
         return unsupported("FSDPParamGroup.reshard does not go to _to_sharded")
     if callback is None or not _compat.reads_names(callback, "_state_ctx", "is_last_backward", "all_states"):
         return unsupported(f"FSDPState.{_CALLBACK} does not read _state_ctx.is_last_backward / all_states")
+    if not _compat.has_parameters(_compat.class_attr(state, "_post_forward"), "module", "input", "output"):
+        return unsupported("FSDPState._post_forward(module, input, output) not found")
     import torch.optim.optimizer as optimizer_module
 
     if not callable(getattr(optimizer_module, "register_optimizer_step_pre_hook", None)):
@@ -174,9 +180,9 @@ def _after_final_callback(wrapped, state, args, kwargs):
     context = state._state_ctx
     manual = getattr(context, "manual_backward_finalization_active", None)  # 2.15; reset by the call
     result = wrapped(*args, **kwargs)
-    _arm(context)
     if context.is_last_backward and not manual:
         _reshard_reduced(context)
+    _arm_if_kept(context, _groups(context))
     return result
 
 
@@ -186,13 +192,30 @@ def _after_end_of_iteration(wrapped, state, args, kwargs):
     return result
 
 
+def _after_forward(wrapped, state, args, kwargs):
+    """``FSDPState._post_forward``: a forward without autograd (an evaluation) has no backward to
+    reshard its units; one it leaves unsharded (the root, by default) arms the step hook."""
+    result = wrapped(*args, **kwargs)
+    if _hook["handle"] is None and not _grad_enabled():
+        _arm_if_kept(state._state_ctx, _compat.state_param_groups(state))
+    return result
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 # --- (2) the optimizer step pre-hook ------------------------------------------------------------
 
 
-def _arm(context: Any) -> None:
-    if context not in _contexts:
-        _contexts.add(context)
-    if _hook["handle"] is None:
+def _arm_if_kept(context: Any, groups: list[Any]) -> None:
+    """Record the root; install the step hook the first time one of ``groups`` stays unsharded
+    ([Note: a step hook only where needed] in ``_isolation``: a run whose units are all sharded at
+    the end of each backward and each evaluation gets none)."""
+    _contexts.add(context)
+    if _hook["handle"] is None and any(group.is_unsharded for group in groups):
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(before_step))
@@ -239,6 +262,7 @@ PATCH = Patch(
         Wrap(f"{_GROUP}:FSDPParamGroup.post_backward", _remember_reduced),
         Wrap(f"{_STATE}:FSDPState.{_CALLBACK}", _after_final_callback),
         Wrap(f"{_STATE}:FSDPState.{_END_ITERATION}", _after_end_of_iteration, when=_has_end_iteration),
+        Wrap(f"{_STATE}:FSDPState._post_forward", _after_forward),
     ),
     changes="units still unsharded after a reducing backward or at optimizer.step() are resharded",
 )
