@@ -49,6 +49,7 @@ PATCHES = (
     "frozen_first_mp_dtypes",
     "param_written_in_forward",  # a guard (kind GUARD)
     "cast_inputs_keep_containers",
+    "reshard_stale_unsharded",
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -75,6 +76,7 @@ BUG_OF = {
     "frozen_first_mp_dtypes": "y",  # PyTorch issue 186998 (PR 187376)
     "param_written_in_forward": "z",  # no upstream issue (nn.Embedding max_norm under FSDP2)
     "cast_inputs_keep_containers": "x",  # transformers issue 45663 (and PRs 45716 / 45912), verl PR 7657
+    "reshard_stale_unsharded": "v",  # Robbyant/lingbot-vla PR 50; PyTorch PR 137348 (the same for prefetches)
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -177,6 +179,8 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # (x) _pre_forward's cast walk rebuilds every container: measured 2.13, 2.15; read, not run, 2.14 and
         # 2.8 - 2.12 (the same _apply_to_tensors, called in _pre_forward itself before _cast_forward_inputs)
         "cast_inputs_keep_containers": "applied",
+        # (v) unshard's early return on an unsharded group: measured 2.13, 2.15; read 2.14; 2.6 - 2.12 inferred
+        "reshard_stale_unsharded": "applied",
     }
 
 
@@ -252,6 +256,9 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (x) measured 2.13, 2.15 (0 of 3 auxiliary losses reach the caller; KeyError for the shared dict); read,
         # not run, 2.8 - 2.12 and 2.14 (the same walk: _apply_to_tensors rebuilds every list, dict, dataclass)
         "x": REPRODUCES,
+        # (v) measured 2.13, 2.15 (the clip sees 0 of 6 gradients, the weights off the reference after 3 steps);
+        # read, not run, 2.14 (the same early return in FSDPParamGroup.unshard); 2.8 - 2.12 inferred, not read
+        "v": REPRODUCES,
     }
 
 
@@ -448,6 +455,14 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
         "cast_inputs_keep_containers": {
             "on": {**COMPLETED, "grads": REFERENCE, "values": {"aux_terms": 3}},
             "off": {**COMPLETED, "grads": WRONG, "values": {"aux_terms": 0}},
+        },
+        # (v) set_reshard_after_backward(False) across 3 clipped SGD steps: model.parameters() shows the unsharded
+        # copies without gradients (the clip sees 0 of 6, norm 0.0 against 6.03) and each forward after a step
+        # reuses the copy of before it (measured 2.13 and 2.15: relative |weight - reference| 1.9); with the fix
+        # the one-process reference (7.7e-08 on 2.13)
+        "reshard_stale_unsharded": {
+            "on": {**COMPLETED, "params": REFERENCE, "values": {"with_grad": [6, 6, 6]}},
+            "off": {**COMPLETED, "params": WRONG, "values": {"with_grad": [0, 0, 0]}},
         },
     }
 

@@ -47,6 +47,8 @@ switchable by an environment variable, and a registry records what happened:
                                            (nn.Embedding(max_norm=...)) stops at the reshard that would drop the write.
 * ``cast_inputs_keep_containers``        – a list, dict or dataclass a unit is given and changes (aux losses appended,
                                            shared KV states) reaches its caller.
+* ``reshard_stale_unsharded``            – a unit left unsharded across `optimizer.step()` is resharded, so the next
+                                           forward uses the stepped weights.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
