@@ -49,6 +49,8 @@ PATCHES = (
     "frozen_first_mp_dtypes",
     "param_written_in_forward",  # a guard (kind GUARD)
     "cast_inputs_keep_containers",
+    "param_post_accumulate_hooks",
+    "param_grad_hooks_guard",  # a guard (kind GUARD)
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -75,6 +77,8 @@ BUG_OF = {
     "frozen_first_mp_dtypes": "y",  # PyTorch issue 186998 (PR 187376)
     "param_written_in_forward": "z",  # no upstream issue (nn.Embedding max_norm under FSDP2)
     "cast_inputs_keep_containers": "x",  # transformers issue 45663 (and PRs 45716 / 45912), verl PR 7657
+    "param_post_accumulate_hooks": "w",  # PyTorch PR 129450 runs only the sharded parameter's hooks
+    "param_grad_hooks_guard": "s",  # torchrec PRs 4268 / 4253
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -177,6 +181,12 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         # (x) _pre_forward's cast walk rebuilds every container: measured 2.13, 2.15; read, not run, 2.14 and
         # 2.8 - 2.12 (the same _apply_to_tensors, called in _pre_forward itself before _cast_forward_inputs)
         "cast_inputs_keep_containers": "applied",
+        # (w) _init_sharded_param builds a new Parameter, foreach_reduce runs only its hooks (PyTorch PR 129450,
+        # 2.5): measured 2.13, 2.15; read, not run, 2.8 - 2.12 (the same loop, skipped under compiled autograd)
+        # and 2.14
+        "param_post_accumulate_hooks": "applied",
+        # (s) no FSDP2 release runs a parameter's register_hook hooks: measured 2.13, 2.15; read 2.8 - 2.12, 2.14
+        "param_grad_hooks_guard": "applied",
     }
 
 
@@ -252,6 +262,12 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (x) measured 2.13, 2.15 (0 of 3 auxiliary losses reach the caller; KeyError for the shared dict); read,
         # not run, 2.8 - 2.12 and 2.14 (the same walk: _apply_to_tensors rebuilds every list, dict, dataclass)
         "x": REPRODUCES,
+        # (w) measured 2.13, 2.15 (the hooks run 0 of 18 times, the weights never move: 8.9e-01 relative from
+        # the reference); read, not run, 2.8 - 2.12 and 2.14 (the same parameter swap and foreach_reduce loop)
+        "w": REPRODUCES,
+        # (s) measured 2.13, 2.15 (the clamps run 0 of 3 times each: weights 6.0e-01 relative from the
+        # reference); read, not run, 2.8 - 2.12 and 2.14
+        "s": REPRODUCES,
     }
 
 
@@ -448,6 +464,21 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
         "cast_inputs_keep_containers": {
             "on": {**COMPLETED, "grads": REFERENCE, "values": {"aux_terms": 3}},
             "off": {**COMPLETED, "grads": WRONG, "values": {"aux_terms": 0}},
+        },
+        # (w) an optimizer in backward whose hooks were registered before fully_shard: they never run and the
+        # weights never move (measured 2.13, 2.15: 0 of 18 calls); with the fix the reference (bitwise on 2.13, 2.15),
+        # and the user's handles still remove the hooks (no call after the removal)
+        "param_post_accumulate_hooks": {
+            "on": {**COMPLETED, "params": REFERENCE, "values": {"hook_calls": 18, "hook_calls_after_remove": 18}},
+            "off": {**COMPLETED, "params": WRONG, "values": {"hook_calls": 0, "hook_calls_after_remove": 0}},
+        },
+        # (s) gradient clamps by register_hook, before and after fully_shard: they never run, the weights are
+        # off the reference (measured 2.13, 2.15: 0 and 0 of 3 calls); the guard stops the first backward at
+        # the first group with a hooked parameter (2.weight: backward reaches it first)
+        "param_grad_hooks_guard": {
+            "on": {"error": "GuardError: fsdp-autopatch guard param_grad_hooks_guard: 1 Tensor.register_hook "
+                            "hook(s) on the FSDP2-managed parameter(s) 2.weight would never run"},
+            "off": {**COMPLETED, "params": WRONG, "values": {"hook_calls": [0, 0]}},
         },
     }
 
