@@ -47,6 +47,10 @@ switchable by an environment variable, and a registry records what happened:
                                            (nn.Embedding(max_norm=...)) stops at the reshard that would drop the write.
 * ``cast_inputs_keep_containers``        – a list, dict or dataclass a unit is given and changes (aux losses appended,
                                            shared KV states) reaches its caller.
+* ``param_post_accumulate_hooks``        – post-accumulate-grad hooks registered before `fully_shard` (optimizer in
+                                           backward) still run.
+* ``param_grad_hooks_guard``             – a `Tensor.register_hook` hook on a parameter FSDP2 manages stops the first
+                                           backward instead of never running.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,
