@@ -72,7 +72,8 @@ def check_fsdp_param(cls: type, reduce_fn: Any) -> Verdict:
 
 def _structural_check() -> Verdict:
     collectives = _compat.fsdp_module("_fsdp_collectives")
-    return check_fsdp_param(_compat.fsdp_class("_fsdp_param", "FSDPParam"), getattr(collectives, "foreach_reduce", None))
+    reduce_fn = getattr(collectives, "foreach_reduce", None)
+    return check_fsdp_param(_compat.fsdp_class("_fsdp_param", "FSDPParam"), reduce_fn)
 
 
 def take_over_hooks(original: Any, sharded: Any) -> bool:
