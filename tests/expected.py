@@ -50,6 +50,8 @@ PATCHES = (
     "param_written_in_forward",  # a guard (kind GUARD)
     "cast_inputs_keep_containers",
     "reshard_stale_unsharded",
+    "param_post_accumulate_hooks",
+    "param_grad_hooks_guard",  # a guard (kind GUARD)
 )
 # The bug each patch exists for, as the docs and the matrix table name them.
 BUG_OF = {
@@ -77,6 +79,8 @@ BUG_OF = {
     "param_written_in_forward": "z",  # no upstream issue (nn.Embedding max_norm under FSDP2)
     "cast_inputs_keep_containers": "x",  # transformers issue 45663 (and PRs 45716 / 45912), verl PR 7657
     "reshard_stale_unsharded": "v",  # Robbyant/lingbot-vla PR 50; PyTorch PR 137348 (the same for prefetches)
+    "param_post_accumulate_hooks": "w",  # PyTorch PR 129450 runs only the sharded parameter's hooks
+    "param_grad_hooks_guard": "s",  # torchrec PRs 4268 / 4253
 }
 
 # The entries applied when another module than FSDP2 is imported (the catalogue's ``Entry.waits_for``;
@@ -181,6 +185,12 @@ def expected_status(release: tuple[int, int]) -> dict[str, str]:
         "cast_inputs_keep_containers": "applied",
         # (v) unshard's early return on an unsharded group: measured 2.13, 2.15; read 2.14; 2.6 - 2.12 inferred
         "reshard_stale_unsharded": "applied",
+        # (w) _init_sharded_param builds a new Parameter, foreach_reduce runs only its hooks (PyTorch PR 129450,
+        # 2.5): measured 2.13, 2.15; read, not run, 2.8 - 2.12 (the same loop, skipped under compiled autograd)
+        # and 2.14
+        "param_post_accumulate_hooks": "applied",
+        # (s) no FSDP2 release runs a parameter's register_hook hooks: measured 2.13, 2.15; read 2.8 - 2.12, 2.14
+        "param_grad_hooks_guard": "applied",
     }
 
 
@@ -259,6 +269,12 @@ def unpatched_outcome(release: tuple[int, int]) -> dict[str, str]:
         # (v) measured 2.13, 2.15 (the clip sees 0 of 6 gradients, the weights off the reference after 3 steps);
         # read, not run, 2.14 (the same early return in FSDPParamGroup.unshard); 2.8 - 2.12 inferred, not read
         "v": REPRODUCES,
+        # (w) measured 2.13, 2.15 (the hooks run 0 of 18 times, the weights never move: 8.9e-01 relative from
+        # the reference); read, not run, 2.8 - 2.12 and 2.14 (the same parameter swap and foreach_reduce loop)
+        "w": REPRODUCES,
+        # (s) measured 2.13, 2.15 (the clamps run 0 of 3 times each: weights 6.0e-01 relative from the
+        # reference); read, not run, 2.8 - 2.12 and 2.14
+        "s": REPRODUCES,
     }
 
 
@@ -463,6 +479,21 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
         "reshard_stale_unsharded": {
             "on": {**COMPLETED, "params": REFERENCE, "values": {"with_grad": [6, 6, 6]}},
             "off": {**COMPLETED, "params": WRONG, "values": {"with_grad": [0, 0, 0]}},
+        },
+        # (w) an optimizer in backward whose hooks were registered before fully_shard: they never run and the
+        # weights never move (measured 2.13, 2.15: 0 of 18 calls); with the fix the reference (bitwise on 2.13, 2.15),
+        # and the user's handles still remove the hooks (no call after the removal)
+        "param_post_accumulate_hooks": {
+            "on": {**COMPLETED, "params": REFERENCE, "values": {"hook_calls": 18, "hook_calls_after_remove": 18}},
+            "off": {**COMPLETED, "params": WRONG, "values": {"hook_calls": 0, "hook_calls_after_remove": 0}},
+        },
+        # (s) gradient clamps by register_hook, before and after fully_shard: they never run, the weights are
+        # off the reference (measured 2.13, 2.15: 0 and 0 of 3 calls); the guard stops the first backward at
+        # the first group with a hooked parameter (2.weight: backward reaches it first)
+        "param_grad_hooks_guard": {
+            "on": {"error": "GuardError: fsdp-autopatch guard param_grad_hooks_guard: 1 Tensor.register_hook "
+                            "hook(s) on the FSDP2-managed parameter(s) 2.weight would never run"},
+            "off": {**COMPLETED, "params": WRONG, "values": {"hook_calls": [0, 0]}},
         },
     }
 

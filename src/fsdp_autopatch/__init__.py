@@ -49,6 +49,10 @@ switchable by an environment variable, and a registry records what happened:
                                            shared KV states) reaches its caller.
 * ``reshard_stale_unsharded``            – a unit left unsharded across `optimizer.step()` is resharded, so the next
                                            forward uses the stepped weights.
+* ``param_post_accumulate_hooks``        – post-accumulate-grad hooks registered before `fully_shard` (optimizer in
+                                           backward) still run.
+* ``param_grad_hooks_guard``             – a `Tensor.register_hook` hook on a parameter FSDP2 manages stops the first
+                                           backward instead of never running.
 .. end generated
 
 Public API: :func:`install`, :func:`status`, :func:`applied`, :class:`PatchStatus`,

@@ -89,6 +89,8 @@ ENTRIES = (
     Entry("param_written_in_forward", GUARD),
     Entry("cast_inputs_keep_containers"),
     Entry("reshard_stale_unsharded"),
+    Entry("param_post_accumulate_hooks"),
+    Entry("param_grad_hooks_guard", GUARD),
     Entry("reduce_scatter_unused_params_default_on", POLICY, f"{PREFIX}REDUCE_SCATTER_UNUSED_PARAMS", default=False),
     # kill_switch=False: a rank whose plugin is switched off still checks, so that its peers learn it
     Entry("cross_rank_check", POLICY, f"{PREFIX}CROSS_RANK_CHECK", default=True, kill_switch=False),
