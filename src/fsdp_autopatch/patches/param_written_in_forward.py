@@ -81,7 +81,10 @@ def _record_versions(wrapped, group, args, kwargs):
     result = wrapped(*args, **kwargs)
     if had_all_gather and group.is_unsharded:  # after FSDP2's copy-out, which bumps the versions itself
         unsharded = ((fp, _compat.unsharded_param(fp)) for fp in group.fsdp_params)
-        setattr(group, _RECORD, [(fp, tensor, tensor._version) for fp, tensor in unsharded if tensor is not None])
+        # an inference tensor (the buffers of a first unshard under torch.inference_mode) has no version
+        # counter to read: not watched
+        setattr(group, _RECORD, [(fp, tensor, tensor._version) for fp, tensor in unsharded
+                                 if tensor is not None and not tensor.is_inference()])
     return result
 
 
