@@ -88,7 +88,7 @@ def _run(ctx: Ctx, variant: str, rec: dict) -> None:
     rec["params"] = {name: p.full_tensor().detach().clone() for name, p in params.items()}
 
 
-@scenario(PATCH)
+@scenario("reshard_stale_unsharded")
 def sc_reshard_stale_unsharded(ctx: Ctx) -> None:
     for variant in VARIANTS:
         with ctx.case(variant, continue_on_error=True) as rec:
