@@ -1,9 +1,10 @@
 """``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [-v] [NAME] [--json]``, ``doctor [--json]``,
 ``demo`` and ``gpu-check [--device ...]`` (``fsdp_autopatch._gpu_check``, imported only when it runs).
 
-``status`` prints one line per patch within 100 columns (name, kind, status, fired, the start of
-the reason) and a short footer; ``status -v`` each whole reason and toggle; ``status NAME`` one
-entry in full. ``--json`` is the whole report, the same keys whatever the other options.
+``status`` prints one line per patch (name, kind, status, fired, what it gives or why not) and a
+short footer; ``status -v`` each whole reason and toggle; ``status NAME`` one entry in full. Text
+fits the terminal's width (100 columns when the output is not a terminal: ``_columns``);
+``--json`` is the whole report, the same keys whatever the other options.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import textwrap
 from collections.abc import Sequence
 
 from . import _catalogue, _hook, _process
-from ._columns import WIDTH, shorten, table
+from ._columns import shorten, table, terminal_width, wrap
 from ._config import KILL_SWITCH, PREFIX
 from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchRecord, PatchStatus, PolicyRecord, StatusReport
@@ -161,29 +162,31 @@ _NOT_RUN = (
 )
 
 
-def format_summary(report: StatusReport) -> str:
-    """``status``: one line per patch within 100 columns, then the policies and where to read more."""
+def format_summary(report: StatusReport, width: int | None = None) -> str:
+    """``status``: one line per patch within ``width`` columns (the terminal's; 100 when not a
+    terminal), then the policies and where to read more."""
+    width = width or terminal_width()
     rows = [("PATCH", "KIND", "STATUS", "FIRED", "WHY")]
     rows += [(r.name, _kind(r.name), r.status.value, str(r.fired), _gist(r)) for r in report.patches]
-    lines = [_header(report), "", *table(rows, right=frozenset({3}))]
-    lines += _failures(report)
+    lines = [_header(report), "", *table(rows, right=frozenset({3}), width=width)]
+    lines += _failures(report, width)
     for name, description in report.policies.items():
-        lines += _wrap(f"policy {name}: {description}")
+        lines += _wrap(f"policy {name}: {description}", width)
     providers: dict[str, int] = {}
     for record in report.patches:
         if record.provider:
             providers[record.provider] = providers.get(record.provider, 0) + 1
     if providers:  # which patch is whose: status NAME
         listed = ", ".join(f"{provider} ({count})" for provider, count in sorted(providers.items()))
-        lines.append(shorten(f"third-party patches from: {listed}", WIDTH))
-    lines.append(f"toggles: {PREFIX}<PATCH>_ENABLED=0|1 switches one, {KILL_SWITCH}=0 all of them")
-    lines.append("more: fsdp-autopatch status -v (whole reasons, toggles), status NAME (one entry), --json")
+        lines.append(shorten(f"third-party patches from: {listed}", width))
+    lines += _wrap(f"toggles: {PREFIX}<PATCH>_ENABLED=0|1 switches one, {KILL_SWITCH}=0 all of them", width)
+    lines += _wrap("more: fsdp-autopatch status -v (whole reasons, toggles), status NAME (one entry), --json", width)
     if report.bootstrap == "not_run":
-        lines += textwrap.wrap(_NOT_RUN, WIDTH)
+        lines += textwrap.wrap(_NOT_RUN, width)
     return "\n".join(lines)
 
 
-def _failures(report: StatusReport, most: int = 3) -> list[str]:
+def _failures(report: StatusReport, width: int, most: int = 3) -> list[str]:
     """What failed is what a user must read: each distinct reason once (the whole hook failing
     fails every patch with one reason), wrapped at 100 columns."""
     grouped: dict[str, list[str]] = {}
@@ -193,13 +196,13 @@ def _failures(report: StatusReport, most: int = 3) -> list[str]:
     lines = []
     for reason, names in list(grouped.items())[:most]:
         who = names[0] if len(names) == 1 else f"({len(names)} patches)"
-        lines += _wrap(f"failed {who}: {reason}")
+        lines += _wrap(f"failed {who}: {reason}", width)
     return lines + ([f"failed: {len(grouped) - most} more reasons (status -v)"] if len(grouped) > most else [])
 
 
-def _wrap(text: str) -> list[str]:
-    """A footer item: at most 3 lines of 100 columns (module names are never split)."""
-    return textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False, max_lines=3, placeholder=" ...")
+def _wrap(text: str, width: int) -> list[str]:
+    """A footer item: at most 3 lines of ``width`` columns (module names are never split)."""
+    return textwrap.wrap(text, width, subsequent_indent="    ", break_on_hyphens=False, max_lines=3, placeholder=" ...")
 
 
 def _kind(name: str) -> str:
@@ -223,8 +226,7 @@ def _gist(record: PatchRecord) -> str:
 
 
 def _wrapped(label: str, text: str) -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=f"  {label}: ", subsequent_indent=" " * (len(label) + 4),
-                         break_on_hyphens=False) or [f"  {label}:"]
+    return wrap(text, terminal_width(), first=f"  {label}: ", rest=" " * (len(label) + 4))
 
 
 def _entry_lines(record: PatchRecord) -> list[str]:
@@ -255,17 +257,31 @@ def _policy_dict(name: str, policy: PolicyRecord | None) -> dict[str, str]:
     return {"name": name, "status": policy.status.value, "description": policy.description}
 
 
-def format_table(report: StatusReport) -> str:
-    """``status -v``: each patch's whole reason and its toggle (what ``status`` printed up to 0.2)."""
+_READABLE = 60  # the least room for a whole reason beside its row in ``status -v``
+
+
+def format_table(report: StatusReport, width: int | None = None) -> str:
+    """``status -v``: each patch's whole reason and its toggle, wrapped at ``width`` columns (the
+    terminal's; 100 when not a terminal) with continuation lines under the REASON column."""
+    width = width or terminal_width()
     lines = [_header(report), ""]
-    width = max(len(r.name) for r in report.patches)
-    lines.append(f"{'PATCH':<{width}}  {'STATUS':<11}  {'FIRED':>5}  REASON")
+    name_width = max(len(r.name) for r in report.patches)
+    head = f"{'PATCH':<{name_width}}  {'STATUS':<11}  {'FIRED':>5}  "
+    # on a narrow terminal (or beside a long third-party name) the REASON column would be a tall
+    # strip of a few words a line: the reason goes below its row instead, indented
+    beside = width - len(head) >= _READABLE
+    indent = " " * len(head) if beside else "    "
+    lines.append(f"{head}REASON")
     for record in report.patches:
-        lines.append(f"{record.name:<{width}}  {record.status.value:<11}  {record.fired:>5}  {record.reason}")
+        row = f"{record.name:<{name_width}}  {record.status.value:<11}  {record.fired:>5}  "
         source = f"   from {record.provider}" if record.provider else ""
-        lines.append(f"{'':<{width}}  {'':<11}  {'':>5}  toggle: {record.env}=0|1{source}")
+        if beside:
+            lines += wrap(record.reason, width, first=row, rest=indent)
+        else:
+            lines += [row.rstrip(), *wrap(record.reason, width, first=indent, rest=indent)]
+        lines += wrap(f"toggle: {record.env}=0|1{source}", width, first=indent, rest=indent)
     for name, description in report.policies.items():
-        lines.append(f"policy {name}: {description}")
+        lines += wrap(f"policy {name}: {description}", width)
     if report.bootstrap == "not_run":
-        lines.append(_NOT_RUN)
+        lines += wrap(_NOT_RUN, width, rest="")
     return "\n".join(lines)
