@@ -16,8 +16,9 @@ import re
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
-from . import _catalogue, _hook, _process
+from . import _catalogue, _hook, _process, patches
 from ._columns import shorten, table, terminal_width, wrap
 from ._config import KILL_SWITCH, PREFIX
 from ._process import HOOK_TARGET
@@ -170,8 +171,9 @@ def format_summary(report: StatusReport, width: int | None = None) -> str:
     rows += [(r.name, _kind(r.name), r.status.value, str(r.fired), _gist(r)) for r in report.patches]
     lines = [_header(report), "", *table(rows, right=frozenset({3}), width=width)]
     lines += _failures(report, width)
-    for name, description in report.policies.items():
-        lines += _wrap(f"policy {name}: {description}", width)
+    for policy in report.policy_records:
+        lines += _wrap(f"policy {policy.name}{_fired_note(policy.fired)}: {policy.description}", width)
+    lines += _opt_in_footer(report, width)
     providers: dict[str, int] = {}
     for record in report.patches:
         if record.provider:
@@ -184,6 +186,20 @@ def format_summary(report: StatusReport, width: int | None = None) -> str:
     if report.bootstrap == "not_run":
         lines += textwrap.wrap(_NOT_RUN, width)
     return "\n".join(lines)
+
+
+def _fired_note(fired: int) -> str:
+    return f" (fired {fired} time{'' if fired == 1 else 's'})" if fired else ""
+
+
+def _opt_in_footer(report: StatusReport, width: int) -> list[str]:
+    """The policies that are off here, each with the variable that switches it on: a user cannot
+    ask for what ``status`` never names."""
+    lines = []
+    for name in _catalogue.POLICIES:
+        if name not in report.policies:
+            lines += _wrap(f"policy {name}: off ({_catalogue.BY_NAME[name].toggle}=1 switches it on)", width)
+    return lines
 
 
 def _failures(report: StatusReport, width: int, most: int = 3) -> list[str]:
@@ -215,14 +231,26 @@ _TORCH_PREFIX = re.compile(r"^torch \S+: ")
 
 
 def _gist(record: PatchRecord) -> str:
-    """A few words of why: the reason without its torch prefix, up to its first "; ". A patch
-    switched off by its own toggle says so in words: the toggle's name is longer than the room."""
+    """A few words of why: for an applied entry what the user gets (its ``Patch.summary``; the
+    reason, which names torch internals, is in ``status -v``), otherwise the reason without its torch
+    prefix, up to its first "; ". A patch switched off by its own toggle says so in words: the
+    toggle's name is longer than the room."""
+    summary = _summary(record.name) if record.status is PatchStatus.APPLIED else None
+    if summary is not None:
+        return summary
     if record.status is PatchStatus.DISABLED and record.variable == record.env:
         return f"by its own toggle, set to {(record.value or '').strip()}"
     reason = _TORCH_PREFIX.sub("", record.reason).split("; ", 1)[0]
     if record.status is PatchStatus.DISABLED and reason.startswith("disabled by "):
         return reason[len("disabled "):]  # the STATUS column says "disabled"
     return reason
+
+
+def _summary(name: str) -> str | None:
+    """An applied built-in entry's summary, from its module (already imported: it applied);
+    None for another distribution's patch."""
+    module = sys.modules.get(patches.module_of(name)) if name in _catalogue.BY_NAME else None
+    return getattr(getattr(module, "PATCH", None), "summary", None)
 
 
 def _wrapped(label: str, text: str) -> list[str]:
@@ -247,14 +275,15 @@ def _policy_lines(name: str, policy: PolicyRecord | None) -> list[str]:
     variable = _catalogue.BY_NAME[name].toggle
     if policy is None:
         return [f"{name}: policy, off", f"  toggle: {variable}=1 switches it on"]
-    return [f"{name}: policy, {policy.status.value}", *_wrapped("what", policy.description),
+    return [f"{name}: policy, {policy.status.value}, fired {policy.fired} time{'' if policy.fired == 1 else 's'}",
+            *_wrapped("what", policy.description),
             f"  toggle: {variable}=0|1"]
 
 
-def _policy_dict(name: str, policy: PolicyRecord | None) -> dict[str, str]:
+def _policy_dict(name: str, policy: PolicyRecord | None) -> dict[str, Any]:
     if policy is None:
-        return {"name": name, "status": "off", "description": ""}
-    return {"name": name, "status": policy.status.value, "description": policy.description}
+        return {"name": name, "status": "off", "description": "", "fired": 0}
+    return policy.to_dict()
 
 
 _READABLE = 60  # the least room for a whole reason beside its row in ``status -v``

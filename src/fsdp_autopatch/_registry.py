@@ -100,6 +100,9 @@ class PolicyRecord:
     def in_force(self) -> bool:
         return self.status is PatchStatus.APPLIED
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status.value, "description": self.description, "fired": self.fired}
+
 
 @dataclass(frozen=True)
 class StatusReport:
@@ -128,6 +131,9 @@ class StatusReport:
             "bootstrap": self.bootstrap,
             "patches": [record.to_dict() for record in self.patches],
             "policies": dict(self.policies),
+            # each policy switched on, with its status and how often it acted (``policies`` keeps
+            # its 0.1 shape: name -> description)
+            "policy_records": [record.to_dict() for record in self.policy_records],
         }
         if self.third_party_failure is not None:  # the usual report keeps its 0.1 keys
             report["third_party_failure"] = self.third_party_failure

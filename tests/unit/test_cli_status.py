@@ -173,7 +173,7 @@ def test_the_summary_columns_line_up():
     header = lines[2]
     assert header.split() == ["PATCH", "KIND", "STATUS", "FIRED", "WHY"]
     assert lines[3].index("applied") == lines[4].index("disabled") == header.index("STATUS")
-    assert lines[3].endswith("  reads it") and lines[4].endswith("  by its own toggle, set to 0")
+    assert lines[4].endswith("  by its own toggle, set to 0")
 
 
 def test_shorten_and_table():
@@ -182,3 +182,31 @@ def test_shorten_and_table():
     assert shorten("short", 10) == "short"
     assert table([("a", "1", "text"), ("long name", "22", "more text")], right=frozenset({1})) == [
         "a           1  text", "long name  22  more text"]
+
+
+def test_the_footer_lists_the_policies_that_are_off_with_their_variable():
+    """What can be switched on is named (opt-in policies have no record while off), and a policy's
+    fired count shows in ``status``, ``status NAME`` and ``--json``."""
+    report = dataclasses.replace(
+        _report(), policy_records=(PolicyRecord("cross_rank_check", PatchStatus.APPLIED, "checks", fired=2),))
+    text = _cli.format_summary(report, width=100)
+    assert "policy cross_rank_check (fired 2 times): checks" in text
+    for name in ("reduce_scatter_unused_params_default_on", "zero_grad_discards_pending_grads",
+                 "pending_grads_warning"):
+        variable = _catalogue.BY_NAME[name].toggle
+        assert f"policy {name}: off ({variable}=1 switches it on)" in " ".join(text.split()), text
+    assert "policy cross_rank_check: off" not in text
+    assert report.to_dict()["policy_records"] == [
+        {"name": "cross_rank_check", "status": "applied", "description": "checks", "fired": 2}]
+    assert _cli._policy_lines("cross_rank_check", report.policy_records[0])[0] == (
+        "cross_rank_check: policy, applied, fired 2 times")
+
+
+def test_an_applied_entry_says_what_the_user_gets(real_output):
+    """WHY of an applied entry is its summary, not the torch-internal reason (that is ``-v``'s)."""
+    from fsdp_autopatch import patches
+
+    lines = real_output["status"][1].splitlines()
+    (row,) = [line for line in lines if line.startswith("restore_unused_param_grads ")]
+    summary = patches.load_patch("restore_unused_param_grads").summary
+    assert row.split("  ")[-1].rstrip(".") in summary and "_unused" not in row.split("applied")[1]
