@@ -238,6 +238,8 @@ def _gist(record: PatchRecord) -> str:
     summary = _summary(record.name) if record.status is PatchStatus.APPLIED else None
     if summary is not None:
         return summary
+    if record.status is PatchStatus.PENDING:  # the module whose import applies it, short enough to fit
+        return f"waits for {_process.trigger_of(record.name).removeprefix('torch.distributed.')} to be imported"
     if record.status is PatchStatus.DISABLED and record.variable == record.env:
         return f"by its own toggle, set to {(record.value or '').strip()}"
     reason = _TORCH_PREFIX.sub("", record.reason).split("; ", 1)[0]

@@ -285,6 +285,9 @@ def _patch_finding_of_status(record: Any) -> Finding:
     if status is PatchStatus.FAILED:
         action = "report this with `fsdp-autopatch doctor --json`"
         return Finding(record.name, PROBLEM, f"failed: {record.reason}", action)
+    if status is PatchStatus.PENDING and _process.trigger_of(record.name) != HOOK_TARGET:
+        # FSDP2 is here and armed the hook of the other module it waits for (DCP's state_dict)
+        return Finding(record.name, OK, f"{status.value}: {record.reason}")
     return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
 
 

@@ -210,3 +210,16 @@ def test_an_applied_entry_says_what_the_user_gets(real_output):
     (row,) = [line for line in lines if line.startswith("restore_unused_param_grads ")]
     summary = patches.load_patch("restore_unused_param_grads").summary
     assert row.split("  ")[-1].rstrip(".") in summary and "_unused" not in row.split("applied")[1]
+
+
+def test_pending_says_what_it_waits_for():
+    """``dcp_optimizer_state_init`` waits for DCP's state_dict, not for FSDP2: status and doctor say so."""
+    from fsdp_autopatch import _doctor, _registry
+
+    reason = _registry._pending_reason("dcp_optimizer_state_init")
+    record = PatchRecord("dcp_optimizer_state_init", PatchStatus.PENDING, reason, "X")
+    text = _cli.format_summary(_report(record), width=100)
+    assert "waits for checkpoint.state_dict to be imported" in text
+    assert "torch.distributed.checkpoint.state_dict to be imported" in reason
+    finding = _doctor._patch_finding(record)
+    assert finding.level == _doctor.OK and "torch.distributed.checkpoint.state_dict" in finding.message
