@@ -1,9 +1,10 @@
 """``fsdp-autopatch`` / ``python -m fsdp_autopatch``: ``status [-v] [NAME] [--json]``, ``doctor [--json]``,
 ``demo`` and ``gpu-check [--device ...]`` (``fsdp_autopatch._gpu_check``, imported only when it runs).
 
-``status`` prints one line per patch within 100 columns (name, kind, status, fired, the start of
-the reason) and a short footer; ``status -v`` each whole reason and toggle; ``status NAME`` one
-entry in full. ``--json`` is the whole report, the same keys whatever the other options.
+``status`` prints one line per patch (name, kind, status, fired, what it gives or why not) and a
+short footer; ``status -v`` each whole reason and toggle; ``status NAME`` one entry in full. Text
+fits the terminal's width (100 columns when the output is not a terminal: ``_columns``);
+``--json`` is the whole report, the same keys whatever the other options.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import re
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
-from . import _catalogue, _hook, _process
-from ._columns import WIDTH, shorten, table
+from . import _catalogue, _hook, _process, patches
+from ._columns import shorten, table, terminal_width, wrap
 from ._config import KILL_SWITCH, PREFIX
 from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchRecord, PatchStatus, PolicyRecord, StatusReport
@@ -161,29 +163,46 @@ _NOT_RUN = (
 )
 
 
-def format_summary(report: StatusReport) -> str:
-    """``status``: one line per patch within 100 columns, then the policies and where to read more."""
+def format_summary(report: StatusReport, width: int | None = None) -> str:
+    """``status``: one line per patch within ``width`` columns (the terminal's; 100 when not a
+    terminal), then the policies and where to read more."""
+    width = width or terminal_width()
     rows = [("PATCH", "KIND", "STATUS", "FIRED", "WHY")]
     rows += [(r.name, _kind(r.name), r.status.value, str(r.fired), _gist(r)) for r in report.patches]
-    lines = [_header(report), "", *table(rows, right=frozenset({3}))]
-    lines += _failures(report)
-    for name, description in report.policies.items():
-        lines += _wrap(f"policy {name}: {description}")
+    lines = [_header(report), "", *table(rows, right=frozenset({3}), width=width)]
+    lines += _failures(report, width)
+    for policy in report.policy_records:
+        lines += _wrap(f"policy {policy.name}{_fired_note(policy.fired)}: {policy.description}", width)
+    lines += _opt_in_footer(report, width)
     providers: dict[str, int] = {}
     for record in report.patches:
         if record.provider:
             providers[record.provider] = providers.get(record.provider, 0) + 1
     if providers:  # which patch is whose: status NAME
         listed = ", ".join(f"{provider} ({count})" for provider, count in sorted(providers.items()))
-        lines.append(shorten(f"third-party patches from: {listed}", WIDTH))
-    lines.append(f"toggles: {PREFIX}<PATCH>_ENABLED=0|1 switches one, {KILL_SWITCH}=0 all of them")
-    lines.append("more: fsdp-autopatch status -v (whole reasons, toggles), status NAME (one entry), --json")
+        lines.append(shorten(f"third-party patches from: {listed}", width))
+    lines += _wrap(f"toggles: {PREFIX}<PATCH>_ENABLED=0|1 switches one, {KILL_SWITCH}=0 all of them", width)
+    lines += _wrap("more: fsdp-autopatch status -v (whole reasons, toggles), status NAME (one entry), --json", width)
     if report.bootstrap == "not_run":
-        lines += textwrap.wrap(_NOT_RUN, WIDTH)
+        lines += textwrap.wrap(_NOT_RUN, width)
     return "\n".join(lines)
 
 
-def _failures(report: StatusReport, most: int = 3) -> list[str]:
+def _fired_note(fired: int) -> str:
+    return f" (fired {fired} time{'' if fired == 1 else 's'})" if fired else ""
+
+
+def _opt_in_footer(report: StatusReport, width: int) -> list[str]:
+    """The policies that are off here, each with the variable that switches it on: a user cannot
+    ask for what ``status`` never names."""
+    lines = []
+    for name in _catalogue.POLICIES:
+        if name not in report.policies:
+            lines += _wrap(f"policy {name}: off ({_catalogue.BY_NAME[name].toggle}=1 switches it on)", width)
+    return lines
+
+
+def _failures(report: StatusReport, width: int, most: int = 3) -> list[str]:
     """What failed is what a user must read: each distinct reason once (the whole hook failing
     fails every patch with one reason), wrapped at 100 columns."""
     grouped: dict[str, list[str]] = {}
@@ -193,13 +212,13 @@ def _failures(report: StatusReport, most: int = 3) -> list[str]:
     lines = []
     for reason, names in list(grouped.items())[:most]:
         who = names[0] if len(names) == 1 else f"({len(names)} patches)"
-        lines += _wrap(f"failed {who}: {reason}")
+        lines += _wrap(f"failed {who}: {reason}", width)
     return lines + ([f"failed: {len(grouped) - most} more reasons (status -v)"] if len(grouped) > most else [])
 
 
-def _wrap(text: str) -> list[str]:
-    """A footer item: at most 3 lines of 100 columns (module names are never split)."""
-    return textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False, max_lines=3, placeholder=" ...")
+def _wrap(text: str, width: int) -> list[str]:
+    """A footer item: at most 3 lines of ``width`` columns (module names are never split)."""
+    return textwrap.wrap(text, width, subsequent_indent="    ", break_on_hyphens=False, max_lines=3, placeholder=" ...")
 
 
 def _kind(name: str) -> str:
@@ -212,8 +231,15 @@ _TORCH_PREFIX = re.compile(r"^torch \S+: ")
 
 
 def _gist(record: PatchRecord) -> str:
-    """A few words of why: the reason without its torch prefix, up to its first "; ". A patch
-    switched off by its own toggle says so in words: the toggle's name is longer than the room."""
+    """A few words of why: for an applied entry what the user gets (its ``Patch.summary``; the
+    reason, which names torch internals, is in ``status -v``), otherwise the reason without its torch
+    prefix, up to its first "; ". A patch switched off by its own toggle says so in words: the
+    toggle's name is longer than the room."""
+    summary = _summary(record.name) if record.status is PatchStatus.APPLIED else None
+    if summary is not None:
+        return summary
+    if record.status is PatchStatus.PENDING:  # the module whose import applies it, short enough to fit
+        return f"waits for {_process.trigger_of(record.name).removeprefix('torch.distributed.')} to be imported"
     if record.status is PatchStatus.DISABLED and record.variable == record.env:
         return f"by its own toggle, set to {(record.value or '').strip()}"
     reason = _TORCH_PREFIX.sub("", record.reason).split("; ", 1)[0]
@@ -222,9 +248,15 @@ def _gist(record: PatchRecord) -> str:
     return reason
 
 
+def _summary(name: str) -> str | None:
+    """An applied built-in entry's summary, from its module (already imported: it applied);
+    None for another distribution's patch."""
+    module = sys.modules.get(patches.module_of(name)) if name in _catalogue.BY_NAME else None
+    return getattr(getattr(module, "PATCH", None), "summary", None)
+
+
 def _wrapped(label: str, text: str) -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=f"  {label}: ", subsequent_indent=" " * (len(label) + 4),
-                         break_on_hyphens=False) or [f"  {label}:"]
+    return wrap(text, terminal_width(), first=f"  {label}: ", rest=" " * (len(label) + 4))
 
 
 def _entry_lines(record: PatchRecord) -> list[str]:
@@ -245,27 +277,42 @@ def _policy_lines(name: str, policy: PolicyRecord | None) -> list[str]:
     variable = _catalogue.BY_NAME[name].toggle
     if policy is None:
         return [f"{name}: policy, off", f"  toggle: {variable}=1 switches it on"]
-    return [f"{name}: policy, {policy.status.value}", *_wrapped("what", policy.description),
+    return [f"{name}: policy, {policy.status.value}, fired {policy.fired} time{'' if policy.fired == 1 else 's'}",
+            *_wrapped("what", policy.description),
             f"  toggle: {variable}=0|1"]
 
 
-def _policy_dict(name: str, policy: PolicyRecord | None) -> dict[str, str]:
+def _policy_dict(name: str, policy: PolicyRecord | None) -> dict[str, Any]:
     if policy is None:
-        return {"name": name, "status": "off", "description": ""}
-    return {"name": name, "status": policy.status.value, "description": policy.description}
+        return {"name": name, "status": "off", "description": "", "fired": 0}
+    return policy.to_dict()
 
 
-def format_table(report: StatusReport) -> str:
-    """``status -v``: each patch's whole reason and its toggle (what ``status`` printed up to 0.2)."""
+_READABLE = 60  # the least room for a whole reason beside its row in ``status -v``
+
+
+def format_table(report: StatusReport, width: int | None = None) -> str:
+    """``status -v``: each patch's whole reason and its toggle, wrapped at ``width`` columns (the
+    terminal's; 100 when not a terminal) with continuation lines under the REASON column."""
+    width = width or terminal_width()
     lines = [_header(report), ""]
-    width = max(len(r.name) for r in report.patches)
-    lines.append(f"{'PATCH':<{width}}  {'STATUS':<11}  {'FIRED':>5}  REASON")
+    name_width = max(len(r.name) for r in report.patches)
+    head = f"{'PATCH':<{name_width}}  {'STATUS':<11}  {'FIRED':>5}  "
+    # on a narrow terminal (or beside a long third-party name) the REASON column would be a tall
+    # strip of a few words a line: the reason goes below its row instead, indented
+    beside = width - len(head) >= _READABLE
+    indent = " " * len(head) if beside else "    "
+    lines.append(f"{head}REASON")
     for record in report.patches:
-        lines.append(f"{record.name:<{width}}  {record.status.value:<11}  {record.fired:>5}  {record.reason}")
+        row = f"{record.name:<{name_width}}  {record.status.value:<11}  {record.fired:>5}  "
         source = f"   from {record.provider}" if record.provider else ""
-        lines.append(f"{'':<{width}}  {'':<11}  {'':>5}  toggle: {record.env}=0|1{source}")
+        if beside:
+            lines += wrap(record.reason, width, first=row, rest=indent)
+        else:
+            lines += [row.rstrip(), *wrap(record.reason, width, first=indent, rest=indent)]
+        lines += wrap(f"toggle: {record.env}=0|1{source}", width, first=indent, rest=indent)
     for name, description in report.policies.items():
-        lines.append(f"policy {name}: {description}")
+        lines += wrap(f"policy {name}: {description}", width)
     if report.bootstrap == "not_run":
-        lines.append(_NOT_RUN)
+        lines += wrap(_NOT_RUN, width, rest="")
     return "\n".join(lines)

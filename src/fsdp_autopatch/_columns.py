@@ -8,12 +8,31 @@ line below its row instead.
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 from collections.abc import Sequence
 
 WIDTH = 100  # what a user's terminal shows without wrapping (80- and 120-column terminals alike)
+NARROWEST = 40  # below this a wrapped line holds too few words to read: wrap as if this wide
 MIN_TEXT = 24  # the least room worth giving the free-text column beside the others
 GAP = "  "
 ELLIPSIS = "..."
+
+
+def terminal_width() -> int:
+    """The columns of the terminal the output goes to (``COLUMNS`` when set, as ``shutil`` reads
+    it); :data:`WIDTH` when it goes to a pipe or a file, where nothing wraps it for us."""
+    columns = shutil.get_terminal_size(fallback=(WIDTH, 24)).columns
+    return max(columns, NARROWEST)
+
+
+def wrap(text: str, width: int, first: str = "", rest: str = "    ") -> list[str]:
+    """``text`` wrapped at ``width`` columns, ``first`` before its first line and ``rest`` before
+    each continuation line. Paths, module names and variables are never split (a word longer than
+    the room stays whole on its own line)."""
+    return textwrap.wrap(
+        text, width, initial_indent=first, subsequent_indent=rest, break_long_words=False, break_on_hyphens=False
+    ) or [first.rstrip()]
 
 
 def shorten(text: str, width: int) -> str:

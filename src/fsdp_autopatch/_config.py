@@ -28,6 +28,8 @@ DISABLED_LIST = "FSDP_AUTOPATCH_DISABLED"
 STRICT = "FSDP_AUTOPATCH_STRICT"
 LOG_LEVEL = "FSDP_AUTOPATCH_LOG_LEVEL"
 THIRD_PARTY = "FSDP_AUTOPATCH_THIRD_PARTY"
+# By default only the first rank of each node (LOCAL_RANK 0) prints our warnings; 1: every rank.
+WARN_ALL_RANKS = "FSDP_AUTOPATCH_WARN_ALL_RANKS"
 
 # Each policy's own switch (a policy keeps the variable users know; fixes and guards derive theirs),
 # from the catalogue.
@@ -69,9 +71,18 @@ def kill_switch_off(environ: "Mapping[str, str]" = os.environ) -> bool:  # noqa:
     return parse_bool(environ.get(KILL_SWITCH)) is False
 
 
+def prints_here(environ: "Mapping[str, str]" = os.environ) -> bool:  # noqa: B008
+    """Whether this process prints our warnings: the first rank of its node (``LOCAL_RANK`` 0, or no
+    launcher), unless ``FSDP_AUTOPATCH_WARN_ALL_RANKS=1`` lets every rank print (64 ranks, one copy)."""
+    if parse_bool(environ.get(WARN_ALL_RANKS)):
+        return True
+    return environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+
+
 def warn(variable: str, message: str) -> None:
-    """Warn once per variable on stderr; a ``-W error`` filter must not turn this into a crash."""
-    if variable in _warned:
+    """Warn once per variable on stderr (on the ranks that print: :func:`prints_here`); a ``-W error``
+    filter must not turn this into a crash."""
+    if variable in _warned or not prints_here():
         return
     _warned.add(variable)
     try:
@@ -307,7 +318,7 @@ def _read_log_level(environ, warn) -> "str | None":
 
 def _known_variables(names) -> "frozenset[str]":
     return frozenset(
-        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, THIRD_PARTY, *POLICY_VARIABLES.values()}
+        {KILL_SWITCH, DISABLED_LIST, STRICT, LOG_LEVEL, THIRD_PARTY, WARN_ALL_RANKS, *POLICY_VARIABLES.values()}
         | {patch_env_var(name) for name in names}
     )
 

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from . import _hook, _process
 from ._catalogue import PATCH_NAMES, POLICIES
+from ._columns import terminal_width, wrap
 from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, THIRD_PARTY, ConfigWarning, read_settings
 from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchStatus
@@ -70,12 +71,15 @@ def main(as_json: bool = False) -> int:
     return 0 if protected else 1
 
 
-def format_findings(findings: list[Finding], protected: bool) -> str:
-    lines = [f"fsdp-autopatch doctor: Python {sys.version.split()[0]} at {sys.executable}", ""]
-    for finding in findings:
-        lines.append(f"[{finding.level}] {finding.check}: {finding.message}")
+def format_findings(findings: list[Finding], protected: bool, width: int | None = None) -> str:
+    """The findings for a terminal: each wrapped at ``width`` columns (the terminal's; 100 when the
+    output is not a terminal), continuation lines indented under their finding."""
+    width = width or terminal_width()
+    lines = wrap(f"fsdp-autopatch doctor: Python {sys.version.split()[0]} at {sys.executable}", width) + [""]
+    for finding in _collapse_kill_switch(findings):
+        lines += wrap(f"{finding.check}: {finding.message}", width, first=f"[{finding.level}] ")
         if finding.action:
-            lines.append(f"    -> {finding.action}")
+            lines += wrap(finding.action, width, first="    -> ", rest="       ")
     problems = sum(f.level == PROBLEM for f in findings)
     lines.append("")
     lines.append(
@@ -84,6 +88,20 @@ def format_findings(findings: list[Finding], protected: bool) -> str:
         else f"verdict: NOT protected ({problems} problem{'s' if problems != 1 else ''} above)"
     )
     return "\n".join(lines)
+
+
+def _collapse_kill_switch(findings: list[Finding]) -> list[Finding]:
+    """The kill switch disables every patch for one reason, and the bootstrap or environment finding
+    above already says what to do: one line for all of them, not the same advice once per patch.
+    (``--json`` keeps one finding per patch.)"""
+    stopped = [f for f in findings if f.action == _KILL_SWITCH_ACTION]
+    if len(stopped) < 2:
+        return findings
+    first = findings.index(stopped[0])
+    reason = stopped[0].message.split(" [from ", 1)[0]
+    merged = Finding(f"all {len(stopped)} fixes and guards", WARNING, f"{reason} (see above for what to do)")
+    rest = [f for f in findings if f.action != _KILL_SWITCH_ACTION]
+    return rest[:first] + [merged] + rest[first:]
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -249,7 +267,8 @@ def _patch_finding_of_status(record: Any) -> Finding:
     if status in (PatchStatus.APPLIED, PatchStatus.NOT_NEEDED):
         return Finding(record.name, OK, f"{status.value}: {record.reason}")
     if status is PatchStatus.DISABLED:
-        return Finding(record.name, WARNING, f"disabled: {record.reason}", _how_to_enable(record))
+        reason = record.reason if record.reason.startswith("disabled ") else f"disabled: {record.reason}"
+        return Finding(record.name, WARNING, reason, _how_to_enable(record))
     if status is PatchStatus.UNSUPPORTED:
         return Finding(
             record.name, PROBLEM, f"unsupported on this torch, not protected: {record.reason}",
@@ -266,6 +285,9 @@ def _patch_finding_of_status(record: Any) -> Finding:
     if status is PatchStatus.FAILED:
         action = "report this with `fsdp-autopatch doctor --json`"
         return Finding(record.name, PROBLEM, f"failed: {record.reason}", action)
+    if status is PatchStatus.PENDING and _process.trigger_of(record.name) != HOOK_TARGET:
+        # FSDP2 is here and armed the hook of the other module it waits for (DCP's state_dict)
+        return Finding(record.name, OK, f"{status.value}: {record.reason}")
     return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
 
 
@@ -284,10 +306,13 @@ def _policy_findings(report: Any) -> list[Finding]:
     return findings
 
 
+_KILL_SWITCH_ACTION = f"unset {KILL_SWITCH} (it turns every patch off)"
+
+
 def _how_to_enable(record: Any) -> str:
     """The variable that really switched this patch off (the kill switch wins over the others)."""
     if record.variable == KILL_SWITCH:
-        return f"unset {KILL_SWITCH} (it turns every patch off)"
+        return _KILL_SWITCH_ACTION
     if record.variable == DISABLED_LIST:
         return f"remove {record.name} from {DISABLED_LIST} (or set {record.env}=1)"
     return f"unset {record.env} or set it to 1"

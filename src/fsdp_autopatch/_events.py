@@ -83,7 +83,8 @@ def shorten(text: str) -> str:
 
 
 def param_names(fsdp_params, limit: int = 4) -> str:
-    """``layer.weight, layer.bias, +3 more`` from FSDPParams (their fully qualified names)."""
-    names = [str(getattr(p, "_param_fqn", None) or "?") for p in fsdp_params]
+    """``layer.bias, layer.weight, +3 more`` from FSDPParams (their fully qualified names), sorted:
+    the same message on every rank, whatever order each rank met them in."""
+    names = sorted(str(getattr(p, "_param_fqn", None) or "?") for p in fsdp_params)
     shown = ", ".join(names[:limit])
     return shown + (f", +{len(names) - limit} more" if len(names) > limit else "")

@@ -41,11 +41,14 @@ from . import _events
 from ._events import GuardError, fired
 from ._registry import CALL_TIME_FAILURE, REGISTRY
 from ._spec import CALL_AGAIN, TRACED
+from ._tracebacks import ORIGIN, as_torchs, raised_by_torch, tag
+
+__all__ = ["as_torchs", "raised_by_torch"]  # the outer layers of ours (``_patching``, ``_hiding``) use them
 
 logger = logging.getLogger("fsdp_autopatch")
 
 _PACKAGE = __name__.rpartition(".")[0]
-_ORIGIN = "__fsdp_autopatch_origin__"  # attribute on an exception: "torch" or "deliberate"
+_ORIGIN = ORIGIN
 _lock = threading.Lock()
 _failed: dict[str, str] = {}  # patch name -> why it failed at call time (later calls go to torch)
 _settings = {"strict": False}
@@ -233,7 +236,7 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
 
     def isolated_wrapper(wrapped, instance, args, kwargs):
         if patch_name in _failed or retired:
-            return wrapped(*args, **kwargs)
+            return wrapped(*args, **kwargs)  # torch's own code raised below: fsdp-autopatch ran it unchanged
         if compiling():  # Dynamo traces this call: aside, or traced without try/except around user code
             if not traced:
                 return wrapped(*args, **kwargs)
@@ -242,8 +245,11 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
         try:
             return wrapper(call, instance, args, kwargs)
         except Exception as error:
-            if error is call.error or _for_the_user(patch_name, error):
-                raise  # torch's own error, a guard's, or one we raise for the user on purpose
+            if error is call.error:  # shown from torch's frame, under this one line of ours
+                error = as_torchs(error)  # its traceback from torch's frame on
+                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
+            if _for_the_user(patch_name, error):
+                raise  # a guard's, or one we raise for the user on purpose
             record_failure(patch_name, error, module)
             if _settings["strict"]:
                 raise
@@ -337,11 +343,7 @@ def _for_the_user(patch_name: str, error: BaseException) -> bool:
     return True
 
 
-def _tag(error: BaseException, origin: str) -> None:
-    try:
-        setattr(error, _ORIGIN, origin)
-    except (AttributeError, TypeError):  # an exception type with __slots__: it stays untagged
-        pass
+_tag = tag
 
 
 def record_failure(patch_name: str, error: BaseException, module: str | None = None) -> None:

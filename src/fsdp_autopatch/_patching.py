@@ -64,14 +64,27 @@ def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True, method:
     if proxy:
         return wrapt.FunctionWrapper(original, wrapper)
 
+    # torch's error passing through: one frame of ours above torch's, its line saying whose it is
     if method:
         @functools.wraps(original)
         def replacement(instance, *args, **kwargs):
-            return wrapper(original.__get__(instance, type(instance)), instance, args, kwargs)
+            try:
+                return wrapper(original.__get__(instance, type(instance)), instance, args, kwargs)
+            except Exception as error:
+                if not _isolation.raised_by_torch(error):
+                    raise
+                error = _isolation.as_torchs(error)  # its traceback from torch's frame on
+                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
     else:
         @functools.wraps(original)
         def replacement(*args, **kwargs):
-            return wrapper(original, None, args, kwargs)
+            try:
+                return wrapper(original, None, args, kwargs)
+            except Exception as error:
+                if not _isolation.raised_by_torch(error):
+                    raise
+                error = _isolation.as_torchs(error)  # its traceback from torch's frame on
+                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
 
     # How a probe tells ours from torch's own functools.wraps decorators (both set __wrapped__).
     replacement.__fsdp_autopatch_replacement__ = True

@@ -21,7 +21,9 @@ from ._version import __version__
 class PatchStatus(str, enum.Enum):
     """What happened to one patch in this process."""
 
-    PENDING = "pending"  # torch's FSDP2 (torch.distributed.fsdp._fully_shard) not imported yet
+    # the module the entry patches is not imported yet: FSDP2's (torch.distributed.fsdp._fully_shard)
+    # for most, DCP's state_dict for dcp_optimizer_state_init (the reason names it)
+    PENDING = "pending"
     APPLIED = "applied"  # torch is patched
     DISABLED = "disabled"  # switched off by an environment variable (the reason names it)
     NOT_NEEDED = "not_needed"  # this torch already has the fix
@@ -100,6 +102,9 @@ class PolicyRecord:
     def in_force(self) -> bool:
         return self.status is PatchStatus.APPLIED
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status.value, "description": self.description, "fired": self.fired}
+
 
 @dataclass(frozen=True)
 class StatusReport:
@@ -128,6 +133,9 @@ class StatusReport:
             "bootstrap": self.bootstrap,
             "patches": [record.to_dict() for record in self.patches],
             "policies": dict(self.policies),
+            # each policy switched on, with its status and how often it acted (``policies`` keeps
+            # its 0.1 shape: name -> description)
+            "policy_records": [record.to_dict() for record in self.policy_records],
         }
         if self.third_party_failure is not None:  # the usual report keeps its 0.1 keys
             report["third_party_failure"] = self.third_party_failure
@@ -139,7 +147,11 @@ _PENDING_REASON = f"waiting for {HOOK_TARGET} to be imported"
 
 def _pending_reason(name: str) -> str:
     """Which import applies ``name``: FSDP2's, or another module's (``Entry.waits_for``)."""
-    return f"waiting for {_process.trigger_of(name)} to be imported"
+    trigger = _process.trigger_of(name)
+    if trigger == HOOK_TARGET:
+        return _PENDING_REASON
+    # not FSDP2's: a program that never imports this module never meets the bug (nothing to fix)
+    return f"waiting for {trigger} to be imported (the module it fixes; FSDP2 does not import it)"
 
 # How the reason of a patch whose wrapper raised at call time starts (``_isolation``; doctor reads it).
 CALL_TIME_FAILURE = "failed at call time"

@@ -6,6 +6,7 @@ with another distribution's long-named patch. Fast: FSDP2 is imported once for t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -72,8 +73,9 @@ def test_verbose_status_is_the_whole_detail(real_output):
     code, text = real_output["-v"]
     report = _cli.REGISTRY.snapshot()
     assert code == 0 and text == _cli.format_table(report) + "\n"
+    flowed = " ".join(text.split())  # wrapped at the terminal's width: every word of it, in order
     for record in report.patches:
-        assert f"  {record.reason}\n" in text and f"toggle: {record.env}=0|1" in text
+        assert " ".join(record.reason.split()) in flowed and f"toggle: {record.env}=0|1" in flowed
 
 
 def test_one_entry_shows_its_whole_reason(real_output):
@@ -96,9 +98,9 @@ def test_unknown_name_is_a_usage_error_with_a_suggestion(capsys):
     assert "no fix, guard or policy named 'uniform_reduce_dtyp'; did you mean 'uniform_reduce_dtype'?" in err
 
 
-def test_verbose_format_is_unchanged():
-    """``-v`` prints exactly what ``status`` printed up to 0.2 (scripts may parse it)."""
-    assert _cli.format_table(_report()).splitlines() == [
+def test_verbose_format_wraps_under_the_reason_column():
+    """``-v`` on a wide terminal: the reason beside its row, continued under the REASON column."""
+    assert _cli.format_table(_report(), width=120).splitlines() == [
         "fsdp-autopatch 0.2.0   torch 2.13.0+cpu   bootstrap: pth",
         "",
         "PATCH                    STATUS       FIRED  REASON",
@@ -108,6 +110,50 @@ def test_verbose_format_is_unchanged():
         "                                             toggle: FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED=0|1",
         "policy cross_rank_check: once per process group at the root's first forward",
     ]
+
+
+@pytest.mark.parametrize("columns", [80, 100, 120])
+def test_verbose_status_and_doctor_fit_the_terminal(monkeypatch, columns):
+    """``status -v`` and ``doctor`` wrap at the terminal's width (``COLUMNS``, as ``shutil`` reads
+    it), continuation lines indented, every word kept; ``--json`` is not wrapped."""
+    from fsdp_autopatch import _doctor
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    report = _cli.REGISTRY.snapshot()
+    verbose = _cli.format_table(report)
+    findings = _doctor.diagnose()
+    doctor = _doctor.format_findings(findings, protected=True)
+    for text in (verbose, doctor, _cli.format_summary(report)):
+        assert _width(text) <= columns, text
+    for finding in findings:  # wrapping drops no word
+        assert " ".join(finding.message.split()) in " ".join(doctor.split())
+    for line in verbose.splitlines()[3:]:  # every continuation line starts with spaces
+        assert line.startswith(" ") or line.split()[0] in {r.name for r in report.patches} or line.startswith(
+            "policy ")
+    assert "\n" not in json.dumps(report.to_dict())
+
+
+def test_width_is_100_when_not_a_terminal(monkeypatch):
+    from fsdp_autopatch._columns import terminal_width
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert terminal_width() == WIDTH  # pytest captures stdout: not a terminal
+    monkeypatch.setenv("COLUMNS", "10")
+    assert terminal_width() == 40  # too narrow to read: wrapped as if 40 wide
+
+
+def test_doctor_with_the_kill_switch_gives_its_advice_once(monkeypatch):
+    from fsdp_autopatch import _doctor
+
+    monkeypatch.setattr(_doctor._process, "disabled_at_start", lambda: "0")
+    stopped = [dataclasses.replace(r, status=PatchStatus.DISABLED, variable="FSDP_AUTOPATCH_ENABLED", value="0",
+                          reason="disabled by FSDP_AUTOPATCH_ENABLED=0 at interpreter start (nothing armed)")
+               for r in _report().patches]
+    findings = [_doctor._bootstrap_ran()] + [_doctor._patch_finding(r) for r in stopped]
+    assert len(findings) == 3 and findings[1].action == findings[2].action
+    text = _doctor.format_findings(findings, protected=False, width=100)
+    assert text.count("unset FSDP_AUTOPATCH_ENABLED") == 1, text
+    assert "[warning] all 2 fixes and guards: disabled by FSDP_AUTOPATCH_ENABLED=0 at interpreter start" in text
 
 
 def test_a_long_third_party_name_stays_whole_and_its_reason_goes_below():
@@ -127,7 +173,7 @@ def test_the_summary_columns_line_up():
     header = lines[2]
     assert header.split() == ["PATCH", "KIND", "STATUS", "FIRED", "WHY"]
     assert lines[3].index("applied") == lines[4].index("disabled") == header.index("STATUS")
-    assert lines[3].endswith("  reads it") and lines[4].endswith("  by its own toggle, set to 0")
+    assert lines[4].endswith("  by its own toggle, set to 0")
 
 
 def test_shorten_and_table():
@@ -136,3 +182,44 @@ def test_shorten_and_table():
     assert shorten("short", 10) == "short"
     assert table([("a", "1", "text"), ("long name", "22", "more text")], right=frozenset({1})) == [
         "a           1  text", "long name  22  more text"]
+
+
+def test_the_footer_lists_the_policies_that_are_off_with_their_variable():
+    """What can be switched on is named (opt-in policies have no record while off), and a policy's
+    fired count shows in ``status``, ``status NAME`` and ``--json``."""
+    report = dataclasses.replace(
+        _report(), policy_records=(PolicyRecord("cross_rank_check", PatchStatus.APPLIED, "checks", fired=2),))
+    text = _cli.format_summary(report, width=100)
+    assert "policy cross_rank_check (fired 2 times): checks" in text
+    for name in ("reduce_scatter_unused_params_default_on", "zero_grad_discards_pending_grads",
+                 "pending_grads_warning"):
+        variable = _catalogue.BY_NAME[name].toggle
+        assert f"policy {name}: off ({variable}=1 switches it on)" in " ".join(text.split()), text
+    assert "policy cross_rank_check: off" not in text
+    assert report.to_dict()["policy_records"] == [
+        {"name": "cross_rank_check", "status": "applied", "description": "checks", "fired": 2}]
+    assert _cli._policy_lines("cross_rank_check", report.policy_records[0])[0] == (
+        "cross_rank_check: policy, applied, fired 2 times")
+
+
+def test_an_applied_entry_says_what_the_user_gets(real_output):
+    """WHY of an applied entry is its summary, not the torch-internal reason (that is ``-v``'s)."""
+    from fsdp_autopatch import patches
+
+    lines = real_output["status"][1].splitlines()
+    (row,) = [line for line in lines if line.startswith("restore_unused_param_grads ")]
+    summary = patches.load_patch("restore_unused_param_grads").summary
+    assert row.split("  ")[-1].rstrip(".") in summary and "_unused" not in row.split("applied")[1]
+
+
+def test_pending_says_what_it_waits_for():
+    """``dcp_optimizer_state_init`` waits for DCP's state_dict, not for FSDP2: status and doctor say so."""
+    from fsdp_autopatch import _doctor, _registry
+
+    reason = _registry._pending_reason("dcp_optimizer_state_init")
+    record = PatchRecord("dcp_optimizer_state_init", PatchStatus.PENDING, reason, "X")
+    text = _cli.format_summary(_report(record), width=100)
+    assert "waits for checkpoint.state_dict to be imported" in text
+    assert "torch.distributed.checkpoint.state_dict to be imported" in reason
+    finding = _doctor._patch_finding(record)
+    assert finding.level == _doctor.OK and "torch.distributed.checkpoint.state_dict" in finding.message

@@ -28,7 +28,7 @@ def test_json_form_has_the_documented_keys():
     registry = Registry()
     registry.record("uniform_reduce_dtype", PatchStatus.APPLIED, "because")
     data = json.loads(json.dumps(registry.snapshot().to_dict()))
-    assert set(data) == {"version", "torch", "bootstrap", "patches", "policies"}
+    assert set(data) == {"version", "torch", "bootstrap", "patches", "policies", "policy_records"}
     fields = {"name", "status", "reason", "env", "decided_by", "variable", "value", "fired", "provider"}
     assert set(data["patches"][0]) == fields
     assert data["patches"][2] == {

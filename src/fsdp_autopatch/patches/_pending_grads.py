@@ -17,12 +17,11 @@ so a training loop that never turns the sync off pays one empty-set test per cal
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .. import _compat, _events, _isolation, _patching
+from .. import _compat, _events, _isolation, _patching, _warn
 
 WARNING = "pending_grads_warning"
 DISCARD = "zero_grad_discards_pending_grads"
@@ -175,15 +174,8 @@ def warn_once(kind: str, message: str) -> None:
     if kind in _warned:
         return
     _warned.add(kind)
-    try:
-        import warnings
-
-        warnings.warn_explicit(f"fsdp-autopatch: {message}", UserWarning, filename="fsdp-autopatch", lineno=0)
-    except Exception:  # python -W error: still tell the user, never raise into the training step
-        try:
-            sys.stderr.write(f"fsdp-autopatch: UserWarning: {message}\n")
-        except Exception:
-            pass
+    # at the user's zero_grad()/step() line, on the first rank of each node (``_warn``)
+    _warn.warn(f"fsdp-autopatch: {message}")
 
 
 def forget() -> None:
