@@ -62,6 +62,20 @@ def activate(module: Any = None) -> None:
             _run_external(external, settings)
         for name in POLICIES:
             _run_policy(name, settings)
+        _log_summary()
+
+
+def _log_summary() -> None:
+    """One INFO line per process: how many entries are in force, what the others are (each entry's
+    own line is DEBUG; a failure is a WARNING of its own)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    counts: dict[str, int] = {}
+    for record in REGISTRY.snapshot().patches:
+        counts[record.status.value] = counts.get(record.status.value, 0) + 1
+    told = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+    logger.info("active on torch %s: %s (fsdp-autopatch status: each entry and why)",
+                _process.torch_version(), told)
 
 
 def _run_when_imported(name: str, settings: Settings) -> None:
@@ -235,7 +249,7 @@ def _record(
 ) -> None:
     decided_by = verdict.decided_by if verdict is not None else ""
     REGISTRY.record(name, status, reason, decided_by, decision)
-    level = logging.WARNING if status is PatchStatus.FAILED else logging.INFO
+    level = logging.WARNING if status is PatchStatus.FAILED else logging.DEBUG  # INFO: _log_summary's one line
     logger.log(level, "%s: %s (%s)", name, status.value, reason)
 
 

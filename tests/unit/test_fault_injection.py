@@ -298,9 +298,9 @@ def test_log_level_prints_only_what_was_asked(fake_torch):
     data = json_of(result)
     assert set(statuses(data["report"]).values()) == {"unsupported"}
     lines = result.stderr.splitlines()
-    assert len(lines) == len(PATCH_NAMES), describe(result)
-    assert all(line.startswith("fsdp-autopatch INFO: ") for line in lines), describe(result)
-    assert [line.split()[2].rstrip(":") for line in lines] == list(PATCH_NAMES)
+    assert len(lines) == 1, describe(result)  # INFO: one summary line per process (each entry's: DEBUG)
+    assert lines[0].startswith("fsdp-autopatch INFO: active on torch "), describe(result)
+    assert f"{len(PATCH_NAMES)} unsupported" in lines[0], describe(result)
 
 
 def test_code_in_environment_values_is_never_executed(fake_torch, tmp_path):
