@@ -104,10 +104,11 @@ def _dtensor_type() -> Any:
     return getattr(module, "DTensor", None)
 
 
-def make_uniform(grads: list) -> Any:
+def make_uniform(grads: list, converted: list | None = None) -> Any:
     """Convert, in place, mixed floating-point gradients to their promoted dtype; returns the
     dtypes it found mixed, or None when it changed nothing. All conversions are made before the
-    list is touched: the list is either fully converted or left as it came."""
+    list is touched: the list is either fully converted or left as it came. ``converted``, if
+    given, receives the positions of the gradients it converted."""
     if not all(isinstance(grad, torch.Tensor) for grad in grads):
         return None  # something torch will judge itself
     dtypes = {grad.dtype for grad in grads}
@@ -116,6 +117,8 @@ def make_uniform(grads: list) -> Any:
     target = widest_float_dtype(dtypes)
     if target is None:
         return None
+    if converted is not None:
+        converted.extend(i for i, grad in enumerate(grads) if grad.dtype != target)
     grads[:] = [grad if grad.dtype == target else grad.to(target) for grad in grads]
     return dtypes
 
@@ -127,13 +130,17 @@ def _uniform_dtype_reduce(wrapped, instance, args, kwargs):
             "uniform_reduce_dtype", "DTensor gradients in foreach_reduce's list of local tensors (vendor builds)",
             f"reduce-scatter of {_events.param_names(wrapped.argument('fsdp_params') or ())}",
         )
-    mixed = make_uniform(grads) if isinstance(grads, list) and grads else None
+    converted: list = []
+    mixed = make_uniform(grads, converted) if isinstance(grads, list) and grads else None
     if mixed:
         shown = ", ".join(sorted(str(dtype).replace("torch.", "") for dtype in mixed))
+        fsdp_params = list(wrapped.argument("fsdp_params") or ())
+        # name the parameters whose gradient was cast, not the whole unit's
+        cast = [fsdp_params[i] for i in converted if i < len(fsdp_params)]
         _events.fired(
             "uniform_reduce_dtype",
             f"AssertionError: FSDP reduce-scatter expects uniform gradient dtype (got {shown})",
-            f"reduce-scatter of {_events.param_names(wrapped.argument('fsdp_params') or ())}",
+            f"cast to {str(grads[0].dtype).replace('torch.', '')}: {_events.param_names(cast)}",
         )
     return wrapped(*args, **kwargs)
 
