@@ -49,6 +49,16 @@ def _venv(path: Path, wheel: Path) -> Path:
     return path / "bin" / "fsdp-autopatch"
 
 
+def _cuda_devices() -> int:
+    """CUDA devices this interpreter's torch sees; 1 where it cannot tell (the installed check then decides)."""
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 1
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="the other options: "
                                      "fsdp-autopatch gpu-check --help")
@@ -58,6 +68,14 @@ def main() -> int:
     parser.add_argument("--budget", type=float, help="overall time guard in seconds, the set-up here included")
     args, rest = parser.parse_known_args()
     started = time.monotonic()
+    device = rest[rest.index("--device") + 1] if "--device" in rest[:-1] else "auto"
+    if device in ("auto", "cuda") and not args.build_wheel and not _cuda_devices():
+        # say it before the wheel and the venv cost their seconds: the installed command would say the same
+        message = "gpu check: no CUDA device, nothing to check here. (--device cpu runs the same logic on gloo.)"
+        print(message)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "report.json").write_text(json.dumps({"skipped": message, "device": device}) + "\n")
+        return 0
     with tempfile.TemporaryDirectory(prefix="fsdp-gpu-check-") as tmp:
         try:
             built = _wheel.Built(args.wheel.resolve(), "given (--wheel)") if args.wheel else \
@@ -73,7 +91,6 @@ def main() -> int:
             message = f"gpu check: setup failed: {failed}\n{str(detail)[-2000:]}"
             print(message, file=sys.stderr)
             args.out.mkdir(parents=True, exist_ok=True)
-            device = rest[rest.index("--device") + 1] if "--device" in rest[:-1] else "auto"
             (args.out / "report.json").write_text(json.dumps({"setup_failed": message, "device": device}) + "\n")
             return 2
         seconds["venv"] = round(time.monotonic() - started - seconds["wheel"], 1)
