@@ -56,12 +56,23 @@ def _fixes():
     return [patches.load_patch(name) for name in _catalogue.PATCH_NAMES]
 
 
+SHORT = 90  # a README cell: one line on a screen; the page has the rest
+
+
+def one_line(text: str, limit: int = SHORT) -> str:
+    """The symptom's first clause, cut at a word boundary to ``limit`` characters."""
+    first = text.split("; ")[0]
+    if len(first) <= limit:
+        return first
+    return first[: first.rfind(" ", 0, limit - 1)].rstrip(",:") + " …"
+
+
 def readme_table() -> str:
-    lines = ["| patch | kind | what you get | without it | when | torch affected |", "|---|---|---|---|---|---|"]
+    lines = ["| entry | kind | without it | torch |", "|---|---|---|---|"]
     for patch in _fixes():
         lines.append(
-            f"| [`{patch.name}`](docs/patches/{patch.name}.md) | {patch.kind} | {patch.summary} | "
-            f"{_code_if_error(patch.symptom)} | {patch.trigger} | {torch_range(patch.affected)} |"
+            f"| [`{patch.name}`](docs/patches/{patch.name}.md) | {patch.kind} | "
+            f"{_code_if_error(one_line(patch.symptom))} | {torch_range(patch.affected)} |"
         )
     return "\n".join(lines)
 
@@ -86,7 +97,7 @@ def ordering() -> str:
 def _code_if_error(symptom: str) -> str:
     # An exception message reads best as code, a described wrong value as prose; a symptom that
     # starts with the message and goes on after "; " is both (only the message in code).
-    if not re.match(r"^[A-Z]\w*Error\b", symptom):
+    if not re.match(r"^[A-Z]\w*Error:", symptom):
         return symptom
     message, sep, prose = symptom.partition("; ")
     return f"`{message}`{sep}{prose}"
