@@ -32,11 +32,7 @@ import _next_torch_expected as nx
 import _post_forward_mesh_cache_scenarios as mc
 from _dist_launcher import RunResult, run_ranks
 
-RELEASE = nx.release_group(torch.__version__)
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(RELEASE is None, reason=f"the table is for torch 2.13 - 2.15, not {torch.__version__}"),
-]
+pytestmark = pytest.mark.timeout(300)  # on every torch: the table is keyed on code shape, not release
 
 # Every case re-activates the plugin in the same process; the cross-rank check compares once per
 # process group through store keys it would then reuse. It is a policy, not a patch under test.
@@ -239,7 +235,7 @@ def test_simulated_change(case: str, request: pytest.FixtureRequest) -> None:
     patch, kind = nx.patch_of(case), case.rsplit(":", 1)[1]
     for rank, rec in enumerate(recs):
         status = rec["status"][patch]
-        problem = nx.status_problem(case, status, torch.__version__)
+        problem = nx.status_problem(case, status)
         assert problem is None, f"rank {rank}: {patch}: {problem}"
         broken = {n: s["status"] for n, s in rec["status"].items() if s["status"] in ("failed", "pending")}
         broken.pop(patch, None)  # a call-time failure of the patch itself is judged above
