@@ -237,6 +237,9 @@ def test_simulated_change(case: str, request: pytest.FixtureRequest) -> None:
         status = rec["status"][patch]
         problem = nx.status_problem(case, status)
         assert problem is None, f"rank {rank}: {patch}: {problem}"
+        for other in nx.ALSO.get(case.split(":", 1)[0], {}):
+            problem = nx.status_problem(case, rec["status"][other], other)
+            assert problem is None, f"rank {rank}: {other}: {problem}"
         broken = {n: s["status"] for n, s in rec["status"].items() if s["status"] in ("failed", "pending")}
         broken.pop(patch, None)  # a call-time failure of the patch itself is judged above
         assert not broken, f"rank {rank}: {broken}"
