@@ -130,3 +130,33 @@ def test_a_group_without_a_backend_for_the_gradients_device_is_stranded():
         assert fix._stranded([_offloaded(one)]) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_gradient_with_placements_of_its_own_is_never_read():
+    """PyTorch's pending FSDPGrad (a DTensor whose ``placements`` raises): left to torch, unread."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    class PendingGrad(DTensor):
+        @property
+        def placements(self):
+            raise RuntimeError("FSDPGrad has no single placement")
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("cuda:fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+        grads = [_offloaded(mesh), _offloaded(mesh)]
+        assert fix._stranded(grads) is mesh
+        grads[1] = _pending(grads[1], PendingGrad)
+        assert fix._stranded(grads) is None
+    finally:
+        dist.destroy_process_group()
+
+
+def _pending(grad, cls):
+    """``grad`` as an instance of ``cls`` (the same spec and local shard)."""
+    return cls(grad._local_tensor, grad._spec, requires_grad=False)

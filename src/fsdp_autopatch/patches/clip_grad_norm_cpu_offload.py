@@ -178,10 +178,14 @@ def _stranded(tensors) -> Any | None:
     """The mesh whose groups cannot reduce where some of ``tensors`` live, or None: every tensor a
     DTensor on one mesh, and a mesh dimension of more than one rank on which some tensor is not
     replicated has a group without a backend for that tensor's device type but with one for the
-    mesh's ``device_type`` (torch's path, where the bug strikes)."""
+    mesh's ``device_type`` (torch's path, where the bug strikes). A DTensor subclass that defines
+    its own ``placements`` (the pending ``FSDPGrad`` of PyTorch's rewrite, whose ``placements``
+    raises) is never read: torch's own path."""
     dtensor = _dtensor_class()
     if dtensor is None or not tensors or not all(isinstance(t, dtensor) for t in tensors):
         return None
+    if any(type(t).placements is not dtensor.placements for t in tensors):
+        return None  # a gradient with placements of its own (a pending FSDPGrad raises): torch's
     mesh = tensors[0].device_mesh
     if any(t.device_mesh is not mesh and t.device_mesh != mesh for t in tensors):
         return None  # several meshes: clip_grad_norm_multi_mesh's (or torch's own error)
