@@ -72,6 +72,7 @@ EXPECTED: dict[str, set[str] | ByShape] = {
     "post_forward_mesh_cache/torch_fix": {NOT_NEEDED},
     "grouped_module_reuse/new_keyword": _APPLIED,
     "grouped_module_reuse/renamed": _GONE,
+    "grouped_module_reuse/post_partial_forward": _APPLIED,
     "keep_param_attributes/new_keyword": _APPLIED,
     "keep_param_attributes/renamed": _GONE,
     "clip_grad_norm_multi_mesh/dtype": _APPLIED,

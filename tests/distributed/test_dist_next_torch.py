@@ -52,6 +52,7 @@ CASES = (
     "restore_unused_param_grads/torch_fix:restore",
     "grouped_module_reuse/new_keyword:reuse",
     "grouped_module_reuse/renamed:reuse",
+    "grouped_module_reuse/post_partial_forward:reuse",
     "keep_param_attributes/new_keyword:attrs",
     "keep_param_attributes/renamed:attrs",
     "clip_grad_norm_multi_mesh/dtype:clip",
