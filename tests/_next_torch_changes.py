@@ -9,12 +9,14 @@
 - ``renamed``: a wrapped internal gets another name, at its definition and every reference;
 - ``torch_fix``: torch's own fix written in (the upstream PR named in each);
 - one-off changes: ``foreach_reduce`` imported under another name, gradients of another kind
-  handed to ``foreach_reduce``, PyTorch PR 194033's ``dtype`` for gradient clipping.
+  handed to ``foreach_reduce``, PyTorch PR 194033's ``dtype`` for gradient clipping, the
+  pending-gradient rewrite's ``post_partial_forward`` (the group hook's 5th parameter).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from typing import Any, Callable
 
@@ -223,6 +225,18 @@ def reuse_new_keyword(sim: Simulation) -> None:
     new_keyword(sim, fsdp("_fsdp_state"), "_register_group_forward_hooks")
 
 
+def reuse_partial_hook(sim: Simulation) -> None:
+    """PyTorch's pending-gradient rewrite (commit acf70b43): the group hook's 5th parameter is
+    ``post_partial_forward`` (the partial path's hook), not ``cast_output_dtype``; callers pass it
+    by position. The same partial path otherwise."""
+    state_module = fsdp("_fsdp_state")
+    function = nt.require(state_module, "_register_group_forward_hooks")
+    if "cast_output_dtype" not in inspect.signature(function).parameters:
+        raise Unavailable("_register_group_forward_hooks has no cast_output_dtype parameter in this torch")
+    sim.edit(state_module, "_register_group_forward_hooks",
+             ed.rename_parameter("cast_output_dtype", "post_partial_forward"))
+
+
 def reuse_renamed(sim: Simulation) -> None:
     renamed(sim, _state(), "_force_complete_incomplete_states", "_complete_partial_group_states")
 
@@ -321,6 +335,7 @@ CHANGES: dict[str, Callable[[Simulation], None]] = {
     "post_forward_mesh_cache/torch_fix": mesh_torch_fix,
     "grouped_module_reuse/new_keyword": reuse_new_keyword,
     "grouped_module_reuse/renamed": reuse_renamed,
+    "grouped_module_reuse/post_partial_forward": reuse_partial_hook,
     "keep_param_attributes/new_keyword": attrs_new_keyword,
     "keep_param_attributes/renamed": attrs_renamed,
     "clip_grad_norm_multi_mesh/dtype": clip_dtype,

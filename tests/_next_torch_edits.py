@@ -135,6 +135,23 @@ def rename(old: str, new: str, definition: bool = True) -> Callable[[str], str]:
     return edit
 
 
+def rename_parameter(old: str, new: str) -> Callable[[str], str]:
+    """The function's parameter ``old`` and every name ``old`` read in its body (nested functions
+    included) become ``new``: its callers, passing it by position, are unchanged."""
+
+    def edit(text: str) -> str:
+        tree, fn, at = parse(text)
+        replacements = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.arg, ast.Name)) and getattr(node, "arg", getattr(node, "id", None)) == old:
+                start = at(node.lineno, node.col_offset)
+                replacements.append((start, start + len(old), new))
+        assert any(a.arg == old for a in fn.args.args), f"no parameter {old} in:\n{text}"
+        return _splice(text, replacements)
+
+    return edit
+
+
 def replace_text(old: str, new: str) -> Callable[[str], str]:
     """A written-in change: ``old`` must occur exactly once (else the release differs: Unavailable)."""
 

@@ -150,7 +150,8 @@ def test_group_hooks_pass_through_without_a_bound_state():
         raise AssertionError("only its signature is read")
 
     handle = _isolation.run_wrapper(
-        reuse._hook_partial_outputs, wrapped, None, hooks, {}, reuse._HOOKS, signature_of=torch_signature
+        reuse._hook_partial_outputs_through("cast_output_dtype"), wrapped, None, hooks, {},
+        (*reuse._HOOKS, "cast_output_dtype"), signature_of=torch_signature
     )
     assert handle == "handle"
     assert calls == [hooks]

@@ -1,5 +1,7 @@
 """The real patches against the installed torch, in this process (no process group needed)."""
 
+import inspect
+
 import pytest
 
 pytest.importorskip("torch")
@@ -9,8 +11,6 @@ import expected  # noqa: E402
 import fsdp_autopatch  # noqa: E402
 from fsdp_autopatch import _activate, _compat, _patching  # noqa: E402
 from fsdp_autopatch.patches import load_patches  # noqa: E402
-
-RELEASE = _compat.torch_release()
 
 
 def _fsdp_param_class():
@@ -31,8 +31,9 @@ def never_unsharded_fsdp_param():
     return fsdp_param
 
 
-@pytest.mark.skipif(not _compat.before(RELEASE, "2.15"), reason="torch >= 2.15 removed the method")
 def test_guard_returns_early_for_a_never_unsharded_param(activated):
+    if "to_accumulated_grad_if_needed" not in vars(_fsdp_param_class()):
+        pytest.skip("this torch has no FSDPParam.to_accumulated_grad_if_needed (2.15 removed it)")
     method = _fsdp_param_class().to_accumulated_grad_if_needed
     with pytest.raises(AttributeError, match="_unsharded_param"):
         method.__wrapped__(never_unsharded_fsdp_param())  # torch's own method: the bug
@@ -42,7 +43,9 @@ def test_guard_returns_early_for_a_never_unsharded_param(activated):
 def test_expected_statuses_for_this_torch(activated):
     """tests/expected.py's statuses; on a release it has not measured (2.16+: NOT_MEASURED) any
     status but ``failed`` / ``pending``, the structural checks decide there."""
-    report = activated
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (dcp_optimizer_state_init waits for it)
+
+    report = fsdp_autopatch.status()
     status = {p.name: p.status.value for p in report.patches}
     want = expected.expected_status(expected.release_of(torch.__version__))
     for name in expected.PATCHES:
@@ -81,22 +84,30 @@ def test_applying_twice_changes_nothing(activated):
     assert FSDPParamGroup.__dict__["post_backward"] is post_backward
 
 
+def _post_backward_collects_grads_itself() -> bool:
+    """The 2.6 - 2.14 shape the backport's zero fill relies on: ``post_backward``'s own code reads
+    each parameter's unsharded ``.grad`` (2.15 moved that loop into a helper)."""
+    post_backward = inspect.unwrap(vars(_compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup"))["post_backward"])
+    return "unsharded_param.grad" in inspect.getsource(post_backward)
+
+
 def test_backport_is_needed_where_the_public_api_is_missing(activated, monkeypatch):
-    """torch < 2.13 simulated: without FSDPModule.set_reduce_scatter_unused_params the backport
-    must judge the 2.6-2.12-shaped post_backward as needed (not unsupported). 2.15 moved the
-    per-parameter loop out of post_backward: there the backport could not work, and says so."""
+    """A torch without FSDPModule.set_reduce_scatter_unused_params (< 2.13, simulated where torch
+    has it): the backport judges a post_backward that collects the gradients itself as needed (not
+    unsupported); where that loop moved out of post_backward (2.15) the backport could not work,
+    and says so. Decided by the code's shape, whatever the release number reads."""
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_autopatch.patches import unused_param_reduction
 
-    if not _compat.before(RELEASE, "2.13"):
+    native = unused_param_reduction.has_native_api()
+    if native:
         monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
     verdict = _activate.verdict_of(unused_param_reduction.PATCH)
-    if _compat.before(RELEASE, "2.15"):
+    if _post_backward_collects_grads_itself():
         assert verdict.status == "needed", verdict.reason
-        # on 2.13/2.14 the version range says "has the method": the structure decided
-        want = _compat.VERSION_AND_STRUCTURE if _compat.before(RELEASE, "2.13") else _compat.STRUCTURE
-        assert verdict.decided_by == want, verdict
+        if native:  # the version range (where measured) says "has the method": the structure decided
+            assert verdict.decided_by == _compat.STRUCTURE, verdict
     else:
         assert verdict.status == "unsupported", verdict.reason
 

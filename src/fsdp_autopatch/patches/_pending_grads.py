@@ -33,6 +33,29 @@ _zeroed: Any = weakref.WeakKeyDictionary()
 _hook: dict[str, Any] = {"handle": None}
 
 
+def torch_handles_pending_grads() -> str | None:
+    """Why neither entry is needed where torch keeps pending gradients itself (None: it does not).
+
+    PyTorch's pending-gradient rewrite (commit acf70b43) publishes what a no-sync backward leaves
+    as an ``FSDPGrad`` (``_fsdp_grad``: a DTensor of reduced, unreduced and partial components) on
+    the sharded parameter: ``zero_grad()`` drops or zeroes it there, and ``step()`` on a pending one
+    raises until ``FSDPModule.synchronize_gradients()``. Recognised by that shape, not a release."""
+    grad_module = sys.modules.get(f"{_compat.FSDP2_PACKAGE}._fsdp_grad")
+    fsdp_grad = getattr(grad_module, "FSDPGrad", None)
+    fsdp_module = _compat.fsdp_class("_fully_shard", "FSDPModule")
+    if not (isinstance(fsdp_grad, type) and all(callable(getattr(fsdp_grad, name, None))
+                                                for name in ("materialize", "local_components"))):
+        return None
+    if _compat.class_attr(fsdp_module, "synchronize_gradients") is None:
+        return None
+    fsdp_param = _compat.fsdp_class("_fsdp_param", "FSDPParam")
+    if not _compat.reads_names(_compat.class_attr(fsdp_param, "publish_unsharded_grad"), "FSDPGrad"):
+        return None
+    return ("torch keeps gradients not yet reduced itself (FSDPParam.publish_unsharded_grad makes an FSDPGrad "
+            "on the sharded parameter): zero_grad() drops them, and step() on one raises until "
+            "FSDPModule.synchronize_gradients()")
+
+
 def structural_problem() -> str | None:
     """What the entries rely on in this torch that is not there (None: everything is)."""
     group = _compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup")

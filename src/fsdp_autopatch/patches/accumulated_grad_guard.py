@@ -19,7 +19,11 @@ Torch versions
 
 Needed here?
     ``FSDPParam.to_accumulated_grad_if_needed`` exists and its bytecode reads ``_unsharded_param``
-    -> needed. Method absent on torch >= 2.15 -> not needed. Anything else -> unsupported.
+    -> needed. Method absent on torch >= 2.15 -> not needed. Method absent where the no-sync path
+    of ``FSDPParamGroup.post_backward`` calls ``FSDPParam.publish_unsharded_grad``, which reads
+    ``_unsharded_param`` with ``getattr(..., None)`` (PyTorch's pending-gradient rewrite, commit
+    acf70b43: ``FSDPGrad``) -> not needed, conclusively: torch skips a never-unsharded parameter
+    itself. Anything else -> unsupported.
 
 The replacement
     A wrapper that returns early when ``_unsharded_param`` does not exist yet. Missing lazy state
@@ -42,6 +46,7 @@ from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 
 _METHOD = "to_accumulated_grad_if_needed"
 _REWRITE = "unsharded_grad_dtype"  # torch 2.15: the property its grad_dtype accumulation reads
+_PUBLISH = "publish_unsharded_grad"  # the pending-gradient rewrite (FSDPGrad): what post_backward calls
 
 
 def _structural_check() -> Verdict:
@@ -55,10 +60,26 @@ def _structural_check() -> Verdict:
                 f"FSDPParam has no {_METHOD}: gradients accumulate through Tensor.grad_dtype "
                 f"(FSDPParam.{_REWRITE}, 2.15's rewrite); the crash path is gone"
             )
+        if _skips_never_unsharded_itself(fsdp_param):
+            return not_needed(
+                f"FSDPParam has no {_METHOD}: post_backward's no-sync path calls FSDPParam.{_PUBLISH}, "
+                "which reads _unsharded_param with getattr(..., None) (the pending-gradient rewrite): "
+                "torch skips a never-unsharded parameter itself",
+                conclusive=True,
+            )
         return unsupported(f"FSDPParam has no {_METHOD} and no {_REWRITE}: cannot tell, torch left untouched")
     if not _compat.reads_names(method, "_unsharded_param"):
         return unsupported(f"FSDPParam.{_METHOD} does not read _unsharded_param")
     return needed(f"FSDPParam.{_METHOD} reads the lazily created _unsharded_param")
+
+
+def _skips_never_unsharded_itself(fsdp_param: type) -> bool:
+    """The pending-gradient rewrite's shape: post_backward hands each parameter to
+    ``publish_unsharded_grad``, whose own code reads ``_unsharded_param`` through ``getattr``."""
+    group = _compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup")
+    publish = _compat.class_attr(fsdp_param, _PUBLISH)
+    return (_compat.reads_names(_compat.class_attr(group, "post_backward"), "reduce_grads", _PUBLISH)
+            and _compat.reads_names(publish, "getattr", "_unsharded_param"))
 
 
 def _skip_never_unsharded(wrapped, fsdp_param, args, kwargs):

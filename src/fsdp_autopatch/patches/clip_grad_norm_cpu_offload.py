@@ -28,9 +28,11 @@ Torch versions
     ``cuda`` only: the same message); on CUDA with NCCL: read, not run.
 
 Needed here?
-    ``clip_grad._get_total_norm`` has exactly the parameters (tensors, norm_type,
-    error_if_nonfinite, foreach) (its per-gradient norm loop is mirrored below, so a parameter
-    torch adds makes this fix unsupported, not silently ignored), ``clip_grad_norm_`` calls it, it
+    ``clip_grad._get_total_norm`` has the parameters it reads, by name (tensors, norm_type,
+    error_if_nonfinite, foreach), and every other one has a default (its per-gradient norm loop is
+    mirrored below: a parameter torch adds is honoured where it is passed at its default, which
+    keeps torch's old behaviour; ``dtype``, PyTorch PR 194033's, is mirrored by name; any other value
+    of a parameter the mirror does not know goes to torch), ``clip_grad_norm_`` calls it, it
     groups by ``_group_tensors_by_device_and_dtype``, norms with ``_foreach_norm`` /
     ``vector_norm`` and stacks, and DTensor / DeviceMesh / ProcessGroup have what the wrapper
     reads -> needed. ``_get_total_norm`` reading ``device_mesh`` or ``device_type`` (torch's own
@@ -46,7 +48,8 @@ The replacement
     meshes: ``clip_grad_norm_multi_mesh``'s) goes to torch unchanged, the same objects: bitwise
     torch's result. Where it acts, torch's steps are run in torch's order with one difference:
     each gradient's norm is computed where the gradient lives (``_foreach_norm`` per (device, dtype)
-    group, or ``vector_norm`` each, as torch chooses), then only these 0-dim partial norms move to
+    group, or ``vector_norm`` each, as torch chooses; with PR 194033's ``dtype``, ``vector_norm(g,
+    norm_type, dtype=dtype)`` each and the total in ``dtype``), then only these 0-dim partial norms move to
     the mesh's device (``DTensor.from_local`` of the local value, placements kept), where torch's
     ``stack`` and ``vector_norm`` reduce them (the collective on the mesh's backend). The total is
     made replicated there if it is still partial, and returned on the first gradient's device, where
@@ -62,7 +65,8 @@ Composition with clip_grad_norm_multi_mesh
     free. Several meshes with this fix alone are left to torch (torch's stack error).
 
 Call-time isolation
-    Reads ``tensors``, ``norm_type``, ``error_if_nonfinite``, ``foreach`` by name. The reduction (torch's
+    Reads ``tensors``, ``norm_type``, ``error_if_nonfinite``, ``foreach`` by name (and ``dtype`` where
+    torch has it; any other argument only to see it is at its default). The reduction (torch's
     ``stack`` / ``vector_norm`` / ``redistribute`` on the mesh's device) runs through ``torch_call``: a
     peer's failure is torch's error. Should our code raise, torch's ``_get_total_norm`` is called
     again with the caller's arguments (a pure function): the bug's error, as without the fix.
@@ -86,7 +90,9 @@ from .._spec import CALL_AGAIN, TRACED, Patch, Verdict, Wrap, needed, not_needed
 NAME = "clip_grad_norm_cpu_offload"
 _CLIP = "torch.nn.utils.clip_grad"
 _UTILS = "torch.nn.utils"
-_READS = ("tensors", "norm_type", "error_if_nonfinite", "foreach")  # torch's whole signature
+_READS = ("tensors", "norm_type", "error_if_nonfinite", "foreach")  # by name; others forwarded as they came
+_DTYPE = "dtype"  # PyTorch PR 194033 (open upstream): norms and their total accumulated in dtype
+_STEP_ASIDE = object()  # an argument the mirror does not know, passed with another value than its default
 _LOOP = ("_group_tensors_by_device_and_dtype", "_has_foreach_support", "_device_has_foreach_support",
          "_foreach_norm", "vector_norm", "stack")  # what the mirrored loop does as torch does
 _FOREACH = ("_group_tensors_by_device_and_dtype", "_has_foreach_support", "_device_has_foreach_support")
@@ -100,12 +106,14 @@ def _structural_check() -> Verdict:
     from torch.distributed.tensor import DTensor
 
     total = getattr(clip, "_get_total_norm", None)
-    try:
-        parameters = tuple(inspect.signature(_compat.innermost(total)).parameters)
-    except (TypeError, ValueError):
-        parameters = ()
-    if parameters != _READS:
-        return unsupported(f"clip_grad._get_total_norm{parameters or '()'} is not ({', '.join(_READS)})")
+    if not _compat.has_parameters(_compat.innermost(total), *_READS):
+        return unsupported(f"clip_grad._get_total_norm has no parameters ({', '.join(_READS)})")
+    undefaulted = [name for name, parameter in _parameters(total).items()
+                   if name not in _READS and parameter.default is parameter.empty
+                   and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+    if undefaulted:
+        return unsupported(f"clip_grad._get_total_norm's {', '.join(undefaulted)} have no default: "
+                           "a call of the mirrored loop cannot leave them out")
     if not _compat.reads_names(getattr(clip, "clip_grad_norm_", None), "_get_total_norm"):
         return unsupported("clip_grad_norm_ does not call _get_total_norm")
     names = _compat.names_read(_compat.code_of(total))
@@ -128,6 +136,33 @@ def _structural_check() -> Verdict:
                   "live on, which a process group without a backend for it (NCCL and CPU offload) refuses")
 
 
+def _parameters(function) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(_compat.innermost(function)).parameters)
+    except (TypeError, ValueError):  # no signature to read
+        return {}
+
+
+def _dtype_of(wrapped) -> Any:
+    """PR 194033's ``dtype`` of the call (None where torch has none, or it was not passed), or
+    :data:`_STEP_ASIDE` where the call passes a parameter the mirror does not know at another value
+    than its default (a new behaviour of torch's, which only torch's own code gives)."""
+    if len(wrapped.args) <= len(_READS) and not set(wrapped.kwargs) - set(_READS):
+        return None  # torch's own callers of 2.8 - 2.15: nothing more to bind
+    parameters = _parameters(wrapped.original)
+    try:
+        bound = inspect.Signature(list(parameters.values())).bind(*wrapped.args, **wrapped.kwargs).arguments
+    except TypeError:
+        return _STEP_ASIDE  # a call torch itself would refuse: torch's own error
+    for name, value in bound.items():
+        if name in _READS or name == _DTYPE:
+            continue
+        default = parameters[name].default
+        if not (value is default or (type(value) is type(default) and value == default)):
+            return _STEP_ASIDE
+    return bound.get(_DTYPE)
+
+
 def _dtensor_class():
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None) if module is not None else None
@@ -143,10 +178,14 @@ def _stranded(tensors) -> Any | None:
     """The mesh whose groups cannot reduce where some of ``tensors`` live, or None: every tensor a
     DTensor on one mesh, and a mesh dimension of more than one rank on which some tensor is not
     replicated has a group without a backend for that tensor's device type but with one for the
-    mesh's ``device_type`` (torch's path, where the bug strikes)."""
+    mesh's ``device_type`` (torch's path, where the bug strikes). A DTensor subclass that defines
+    its own ``placements`` (the pending ``FSDPGrad`` of PyTorch's rewrite, whose ``placements``
+    raises) is never read: torch's own path."""
     dtensor = _dtensor_class()
     if dtensor is None or not tensors or not all(isinstance(t, dtensor) for t in tensors):
         return None
+    if any(type(t).placements is not dtensor.placements for t in tensors):
+        return None  # a gradient with placements of its own (a pending FSDPGrad raises): torch's
     mesh = tensors[0].device_mesh
     if any(t.device_mesh is not mesh and t.device_mesh != mesh for t in tensors):
         return None  # several meshes: clip_grad_norm_multi_mesh's (or torch's own error)
@@ -166,10 +205,10 @@ def _stranded(tensors) -> Any | None:
     return mesh if stranded else None
 
 
-def _norms_where_they_live(tensors, norm_type: float, foreach):
+def _norms_where_they_live(tensors, norm_type: float, foreach, dtype=None):
     """Torch's per-tensor norms, computed as ``_get_total_norm`` computes them (per (device, dtype)
-    group, ``_foreach_norm`` or one ``vector_norm`` each), in torch's order; None where torch would
-    raise its own ``foreach=True`` error."""
+    group, ``_foreach_norm`` or one ``vector_norm`` each; with a ``dtype``, ``vector_norm`` in it
+    each), in torch's order; None where torch would raise its own ``foreach=True`` error."""
     from torch.utils._foreach_utils import (
         _device_has_foreach_support,
         _group_tensors_by_device_and_dtype,
@@ -181,11 +220,12 @@ def _norms_where_they_live(tensors, norm_type: float, foreach):
         if (foreach is None and _has_foreach_support(device_tensors, device)) or (
             foreach and _device_has_foreach_support(device)
         ):
-            norms.extend(torch._foreach_norm(device_tensors, norm_type))
+            norms.extend(torch._foreach_norm(device_tensors, norm_type) if dtype is None
+                         else [torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in device_tensors])
         elif foreach:
             return None
         else:
-            norms.extend(torch.linalg.vector_norm(g, norm_type) for g in device_tensors)
+            norms.extend(torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in device_tensors)
     return norms
 
 
@@ -202,11 +242,11 @@ def _to_home(total, device):
     return total.to(device)
 
 
-def _reduce(norms, norm_type: float):
+def _reduce(norms, norm_type: float, dtype=None):
     """Torch's ``vector_norm(stack(norms))`` of the partial norms, then replicated: the collectives."""
     from torch.distributed.tensor import Replicate
 
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type, dtype=dtype)
     if any(placement.is_partial() for placement in total.placements):
         total = total.redistribute(total.device_mesh, [Replicate()] * total.device_mesh.ndim)
     return total
@@ -221,16 +261,17 @@ def _total_norm_on_mesh_device(wrapped, instance, args, kwargs):
         if listed is not tensors:
             wrapped.rebind(tensors=listed)  # an iterator is read once: torch (and a fallback) get the list
     mesh = _stranded(listed)
-    if mesh is None:
+    dtype = _dtype_of(wrapped) if mesh is not None else None
+    if mesh is None or dtype is _STEP_ASIDE:
         return wrapped.again()  # the caller's arguments, every one as it came
     norm_type = float(wrapped.argument("norm_type"))
     with torch.no_grad():
-        norms = _norms_where_they_live(listed, norm_type, wrapped.argument("foreach"))
+        norms = _norms_where_they_live(listed, norm_type, wrapped.argument("foreach"), dtype)
         if norms is None:
             return wrapped.again()  # torch raises its own foreach=True error before any collective
         _fired(listed, mesh)
         moved = [_to_mesh_device(norm) for norm in norms]
-        total = _isolation.torch_call(_reduce, moved, norm_type)
+        total = _isolation.torch_call(_reduce, moved, norm_type, dtype)
         if wrapped.argument("error_if_nonfinite") and bool(torch.logical_or(total.isnan(), total.isinf())):
             # torch's own message, from torch's function on the (plain) non-finite total
             wrapped.again(tensors=[total.to_local()], error_if_nonfinite=True)

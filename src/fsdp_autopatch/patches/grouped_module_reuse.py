@@ -22,7 +22,9 @@ Torch versions
 
 Needed here?
     ``_fsdp_state._register_group_forward_hooks(modules, pre_hook, post_hook, modules_to_run,
-    cast_output_dtype)`` exists, ``FSDPState._post_forward`` calls
+    cast_output_dtype)`` exists (or its 5th parameter is ``post_partial_forward``: PyTorch's
+    pending-gradient rewrite, commit acf70b43, whose partial path also publishes CPU gradient
+    owners; the same partial path otherwise, wrapped by that name), ``FSDPState._post_forward`` calls
     ``_force_complete_incomplete_states``, and the group post-hook's partial path reads nothing
     but ``remove`` / ``len`` -> needed. No ``_force_complete_incomplete_states`` (2.6 - 2.12)
     -> not needed, conclusively. A partial path that does more -> not needed (torch changed it).
@@ -30,7 +32,7 @@ Needed here?
 
 The replacement
     ``_register_group_forward_hooks`` is wrapped: torch registers its own hooks, around three small
-    functions in place of the ``pre_hook`` / ``post_hook`` / ``cast_output_dtype`` it receives. On
+    functions in place of the ``pre_hook`` / ``post_hook`` / partial path's hook it receives. On
     the partial path, inside another state's root forward, the autograd nodes of the output are
     remembered; a call that completes the group forgets them (torch hooks the completing output);
     a new pass forgets stale ones. ``FSDPState._force_complete_incomplete_states`` is wrapped: after
@@ -62,12 +64,14 @@ from .._spec import Patch, Verdict, Wrap, needed, not_needed, unsupported
 NAME = "grouped_module_reuse"
 _STATE = f"{_compat.FSDP2_PACKAGE}._fsdp_state"
 _FORCE_COMPLETE = "_force_complete_incomplete_states"
-_HOOKS = ("pre_hook", "post_hook", "cast_output_dtype")  # what the wrapper replaces, by name
+# the partial path's hook, the group hook's 5th parameter: 2.13 - 2.15 / the pending-gradient rewrite
+_PARTIAL_HOOKS = ("cast_output_dtype", "post_partial_forward")
+_HOOKS = ("pre_hook", "post_hook")  # what the wrapper replaces, by name, with the partial path's hook
 # torch's partial path removes the module from the set and compares its length, nothing else
 _PARTIAL_PATH_NAMES = {"remove", "len"}
 # the FSDPState methods the root's _post_forward of 2.6 - 2.12 calls (read in the 2.8 and 2.12 wheels)
 _POST_FORWARD_CALLS = {"_register_pre_backward_hook", "_cast_output_dtype"}
-_PARTIAL_PATH_FREEVARS = {"cast_output_dtype", "module", "modules_to_run", "post_hook"}
+_PARTIAL_PATH_FREEVARS = {"module", "modules_to_run", "post_hook"}  # and the partial path's hook
 _WITHOUT = "RuntimeError: setStorage: ... out of bounds for storage of size 0 in backward"
 
 # FSDPState -> autograd nodes of partial-path outputs made inside another state's root forward.
@@ -82,7 +86,7 @@ def _structural_check() -> Verdict:
     force = _compat.class_attr(state_class, _FORCE_COMPLETE)
     if force is None:
         return _without_force_complete(state_class)
-    # pre_hook / post_hook / cast_output_dtype are checked by name from the target's ``reads``;
+    # pre_hook / post_hook / the partial path's hook are checked by name from the target's ``reads``;
     # every other argument is forwarded as it came.
     group_hooks = getattr(state_module, "_register_group_forward_hooks", None)
     if group_hooks is None:
@@ -92,11 +96,18 @@ def _structural_check() -> Verdict:
     if not _compat.reads_names(_compat.class_attr(state_class, "_post_forward"), _FORCE_COMPLETE):
         return unsupported("FSDPState._post_forward does not force-complete incomplete groups")
     partial = _compat.nested_code(group_hooks, "wrapped_post_hook")
-    if partial is None or set(partial.co_freevars) != _PARTIAL_PATH_FREEVARS:
+    hook = partial_hook_name()
+    if partial is None or hook is None or set(partial.co_freevars) != _PARTIAL_PATH_FREEVARS | {hook}:
         return unsupported("the group post-hook differs from the measured releases")
     if not set(partial.co_names) <= _PARTIAL_PATH_NAMES:
         return not_needed("the group post-hook's partial path does more than cast the output")
     return needed("a grouped unit's partial post-forward registers no pre-backward hook; the root force-completes it")
+
+
+def partial_hook_name() -> str | None:
+    """The name of the partial path's hook in this torch's ``_register_group_forward_hooks``."""
+    group_hooks = getattr(_compat.fsdp_module("_fsdp_state"), "_register_group_forward_hooks", None)
+    return next((name for name in _PARTIAL_HOOKS if _compat.has_parameters(group_hooks, name)), None)
 
 
 def _without_force_complete(state_class: type) -> Verdict:
@@ -143,8 +154,17 @@ def _remember(state, output) -> None:
         _remembered.setdefault(state, []).extend(nodes)
 
 
-def _hook_partial_outputs(wrapped, instance, args, kwargs):
-    pre_hook, post_hook, cast_output_dtype = (wrapped.argument(name) for name in _HOOKS)
+def _hook_partial_outputs_through(partial_hook: str):
+    """The wrapper of ``_register_group_forward_hooks`` whose partial path's hook is ``partial_hook``."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        return _hook_partial_outputs(wrapped, args, kwargs, partial_hook)
+
+    return wrapper
+
+
+def _hook_partial_outputs(wrapped, args, kwargs, partial_hook: str):
+    pre_hook, post_hook, on_partial = (wrapped.argument(name) for name in (*_HOOKS, partial_hook))
     state = getattr(post_hook, "__self__", None)  # FSDPState.init hands over its bound _post_forward
     if state is None:
         return wrapped(*args, **kwargs)
@@ -160,12 +180,12 @@ def _hook_partial_outputs(wrapped, instance, args, kwargs):
         _isolation.isolated(NAME, _remembered.pop, state, None)
         return post_hook(*hook_args, **hook_kwargs)
 
-    def cast_and_remember(output):  # the partial path: torch only casts here
-        output = cast_output_dtype(output)
+    def partial_and_remember(output):  # the partial path: torch casts here (and publishes CPU grad owners)
+        output = on_partial(output)
         _isolation.isolated(NAME, _remember, state, output)
         return output
 
-    return wrapped.again(pre_hook=start_pass, post_hook=complete, cast_output_dtype=cast_and_remember)
+    return wrapped.again(pre_hook=start_pass, post_hook=complete, **{partial_hook: partial_and_remember})
 
 
 def _forget_if_new_pass(state, forward) -> None:
@@ -214,7 +234,8 @@ PATCH = Patch(
     affected=">=2.13,<2.16",
     check=_structural_check,
     targets=(
-        Wrap(f"{_STATE}:_register_group_forward_hooks", _hook_partial_outputs, reads=_HOOKS),
+        *(Wrap(f"{_STATE}:_register_group_forward_hooks", _hook_partial_outputs_through(hook),
+               reads=(*_HOOKS, hook), when=lambda hook=hook: partial_hook_name() == hook) for hook in _PARTIAL_HOOKS),
         Wrap(f"{_STATE}:FSDPState.{_FORCE_COMPLETE}", _hook_remembered_outputs),
     ),
     changes="repeat calls of a grouped unit inside the root's forward get its pre-backward hook",

@@ -50,7 +50,7 @@ other way).
 from __future__ import annotations
 
 from .._catalogue import BY_NAME
-from .._spec import POLICY, Patch, Verdict, Wrap, needed, unsupported
+from .._spec import POLICY, Patch, Verdict, Wrap, needed, not_needed, unsupported
 from . import _pending_grads
 
 NAME = _pending_grads.WARNING
@@ -58,6 +58,9 @@ VARIABLE = BY_NAME[NAME].variable  # FSDP_AUTOPATCH_PENDING_GRADS_WARNING
 
 
 def _structural_check() -> Verdict:
+    handled = _pending_grads.torch_handles_pending_grads()
+    if handled is not None:
+        return not_needed(handled, conclusive=True)  # torch's own pending gradients (FSDPGrad)
     problem = _pending_grads.structural_problem()
     if problem is not None:
         return unsupported(problem)
