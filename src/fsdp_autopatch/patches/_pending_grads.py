@@ -17,6 +17,7 @@ so a training loop that never turns the sync off pays one empty-set test per cal
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
