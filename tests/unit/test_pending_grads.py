@@ -37,7 +37,7 @@ def test_the_warning_is_given_once_per_kind_and_never_raises_under_w_error(capsy
         warnings.simplefilter("error")
         _pending_grads.warn_once("zero_grad", "kept gradients")
         _pending_grads.warn_once("zero_grad", "kept gradients")
-    assert capsys.readouterr().err.count("fsdp-autopatch: UserWarning: kept gradients") == 1
+    assert capsys.readouterr().err.count("UserWarning: fsdp-autopatch: kept gradients") == 1  # the plugin named once
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _pending_grads.warn_once("step", "sync left off")
