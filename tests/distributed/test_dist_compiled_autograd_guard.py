@@ -33,7 +33,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(600)  # two jobs that compile (eager backend): ~15 - 45 s each here
 
 PATCH = "compiled_autograd_guard"
-BUG = "l"
+BUG = ck.ex.BUG_OF[PATCH]
 TIMEOUT_S = 400.0
 COMPILED_AUTOGRAD = ("compiled_autograd", "compiled_autograd_bf16")
 SILENT = ("eager", "compile_forward")

@@ -24,7 +24,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "fsdp_module_abc_layout"
-BUG = "i"
+BUG = ck.ex.BUG_OF[PATCH]
 CASES = {"default": False, "bf16": True}  # case -> bf16 tolerance
 MESSAGE = "__class__ assignment: 'FSDPTanhBlock' object layout differs from 'TanhBlock'"
 

@@ -26,7 +26,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "gradient_divide_factor_single_rank"
-BUG = "j"
+BUG = ck.ex.BUG_OF[PATCH]
 FP16_REL = 1e-3  # fp16 reduce vs the fp32 reference (measured 4.3e-05 absolute on 2.13)
 CONTROLS = ("shard_1x2_sum", "shard_1x2_fp16", "hsdp_2x1_default")
 # The (2, 1) factor-only case is right only where torch's one-rank copy divides (where the patch

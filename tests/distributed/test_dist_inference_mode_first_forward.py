@@ -26,7 +26,7 @@ import _inference_mode_first_forward_scenarios as im
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = im.NAME
-BUG = "q"
+BUG = ck.ex.BUG_OF[PATCH]
 INPLACE = "Inplace update to inference tensor outside InferenceMode is not allowed"
 SAVED = "Inference tensors cannot be saved for backward"
 COUNTER = "Inference tensors do not track version counter"  # the one-rank copy on 2.13

@@ -27,7 +27,7 @@ import _inplace_view_output_scenarios as iv
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "inplace_view_output"
-BUG = "m"
+BUG = ck.ex.BUG_OF[PATCH]
 MESSAGE_START = "setStorage: sizes [8, 8], strides [8, 1], storage offset 0, and itemsize "
 MESSAGE_END = "out of bounds for storage of size 0"
 # under activation checkpointing the recomputed forward meets the sharded DTensor weight instead

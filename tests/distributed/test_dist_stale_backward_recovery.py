@@ -30,7 +30,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "stale_backward_recovery"
-BUG = "n"
+BUG = ck.ex.BUG_OF[PATCH]
 STEPS = (1, 2)
 
 
