@@ -164,6 +164,15 @@ class _Entry:
 
 
 class Registry:
+    """Every patch's and policy's record in this process, under one lock (:data:`REGISTRY`).
+
+    Written by ``_activate`` (each entry's outcome, third-party discovery), ``_hook`` (what stays
+    pending when the import hook could not run), ``_isolation`` (a wrapper that failed at call
+    time) and ``_events.fired`` (each fire); read as a :class:`StatusReport` by :meth:`snapshot`
+    (``fsdp_autopatch.status()``, the CLI, doctor). Every patch of the catalogue starts pending; a
+    policy has a record only once it is switched on.
+    """
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[str, _Entry] = {}
