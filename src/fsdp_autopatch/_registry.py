@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from . import _process
 from ._catalogue import PATCH_NAMES
-from ._config import KILL_SWITCH, THIRD_PARTY, patch_env_var
+from ._config import KILL_SWITCH, THIRD_PARTY, Decision, patch_env_var
 from ._process import HOOK_TARGET
 from ._version import __version__
 
@@ -141,6 +141,9 @@ def _pending_reason(name: str) -> str:
     """Which import applies ``name``: FSDP2's, or another module's (``Entry.waits_for``)."""
     return f"waiting for {_process.trigger_of(name)} to be imported"
 
+# Per applied patch name, where its values were replaced after it: (place, what is there, still calls ours)
+DisplacementProbe = Callable[[str], list[tuple[str, str, bool]]]
+
 # How the reason of a patch whose wrapper raised at call time starts (``_isolation``; doctor reads it).
 CALL_TIME_FAILURE = "failed at call time"
 
@@ -182,7 +185,7 @@ class Registry:
         self._torch_version: str | None = None
         # reads, per applied patch, where its values were replaced after it (``_patching``); kept
         # across :meth:`reset`
-        self._displaced: Callable[[str], list[tuple[str, str, bool]]] | None = None
+        self._displaced: DisplacementProbe | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -194,11 +197,11 @@ class Registry:
             self._fired = {}
 
     def record(
-        self, name: str, status: PatchStatus, reason: str, decided_by: str = "", decision: Any = None
+        self, name: str, status: PatchStatus, reason: str, decided_by: str = "", decision: Decision | None = None
     ) -> None:
-        """``decision``: the ``_config.Decision`` that let the patch be tried or switched it off."""
-        variable = getattr(decision, "variable", None)
-        value = getattr(decision, "value", None)
+        """``decision``: what let the patch be tried or switched it off (None: not read yet)."""
+        variable = decision.variable if decision is not None else None
+        value = decision.value if decision is not None else None
         with self._lock:
             provider = self._records[name].provider if name in self._records else None
             self._records[name] = _Entry(status, reason, decided_by, variable, value, provider)
@@ -253,7 +256,7 @@ class Registry:
         with self._lock:
             self._torch_version = version
 
-    def watch_displacement(self, probe: Callable[[str], list[tuple[str, str, bool]]]) -> None:
+    def watch_displacement(self, probe: DisplacementProbe) -> None:
         """``probe(name)``: where an applied patch's values were replaced after it, read at each
         snapshot (someone else's monkey-patch over ours is only visible at the target itself)."""
         self._displaced = probe
@@ -290,7 +293,7 @@ def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:
     )
 
 
-def _with_displacement(record: PatchRecord, probe: Any) -> PatchRecord:
+def _with_displacement(record: PatchRecord, probe: DisplacementProbe | None) -> PatchRecord:
     """An applied record says where someone else's value replaced ours after us."""
     if probe is None or record.status is not PatchStatus.APPLIED:
         return record
