@@ -152,9 +152,9 @@ def _bootstrap_ran() -> Finding:
 
 def _environment() -> list[Finding]:
     variables = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
-    warnings: list[tuple[str, str]] = []
+    told: list[tuple[str, str]] = []  # (variable, message): what read_settings would warn
     settings = read_settings(
-        os.environ, warn=lambda variable, message: warnings.append((variable, message)), names=_patch_names()
+        os.environ, warn=lambda variable, message: told.append((variable, message)), names=_patch_names()
     )
     findings = []
     if variables:
@@ -162,7 +162,7 @@ def _environment() -> list[Finding]:
         findings.append(Finding("environment", OK, f"set: {shown}"))
     else:
         findings.append(Finding("environment", OK, "no FSDP_AUTOPATCH_* variable set: defaults"))
-    for variable, message in warnings:
+    for variable, message in told:
         findings.append(Finding(
             "environment", WARNING, message, f"fix or unset {variable}"
         ))
