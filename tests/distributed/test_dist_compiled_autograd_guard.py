@@ -1,6 +1,6 @@
 """compiled_autograd_guard: FSDP2's backward under compiled autograd (2 gloo ranks).
 
-Scenario ``compiled_autograd`` (``_compiled_autograd_guard_scenarios``): a 2-layer MLP, both
+Scenario ``compiled_autograd_guard`` (``_compiled_autograd_guard_scenarios``): a 2-layer MLP, both
 Linears and the root ``fully_shard``ed, 3 SGD steps on each rank's own batch; the backward eager,
 after a ``torch.compile``d forward, and under ``compiled_autograd._enable`` (fp32, bf16/fp32).
 

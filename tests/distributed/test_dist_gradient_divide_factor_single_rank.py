@@ -1,6 +1,6 @@
 """gradient_divide_factor_single_rank: a custom divide factor on a one-rank shard group (2 gloo ranks).
 
-Scenario ``divide_factor_single_rank`` (``_gradient_divide_factor_single_rank_scenarios``):
+Scenario ``gradient_divide_factor_single_rank`` (``_gradient_divide_factor_single_rank_scenarios``):
 ``set_gradient_divide_factor(4)`` on every FSDP module of a small MLP, HSDP mesh ``(2, 1)`` (a
 one-rank shard group) with force-sum fp32 and with an fp16 reduce, their twins on mesh ``(1, 2)``
 (a 2-rank shard group) and the ``(2, 1)`` default path (no force-sum).

@@ -1,6 +1,6 @@
 """inplace_view_output: a unit's output view modified in place by its caller (2 gloo ranks).
 
-Scenario ``inplace_view`` (``_inplace_view_output_scenarios``): ``fully_shard(block)`` returns a
+Scenario ``inplace_view_output`` (``_inplace_view_output_scenarios``): ``fully_shard(block)`` returns a
 view of its ``Linear`` output (transpose, view, ``nn.Linear`` on 3-D), the root's forward modifies
 it in place (``mul_``, ``+=``, ``masked_fill_``); fp32, activation checkpointing, bf16/fp32.
 

@@ -1,6 +1,6 @@
 """optimizer_unsharded_params_guard: an optimizer built after a no-grad forward (2 gloo ranks).
 
-Scenario ``optimizer_unsharded`` (``_optimizer_unsharded_params_guard_scenarios``): two ``Linear``
+Scenario ``optimizer_unsharded_params_guard`` (``_optimizer_unsharded_params_guard_scenarios``): two ``Linear``
 units and a root-owned ``head``; 3 SGD steps per case, against a one-process reference.
 
 * patch off, case ``bug``: the optimizer got the root's ``head.weight`` / ``head.bias`` as plain
