@@ -2,7 +2,7 @@
 and for the compatibility matrix (``scripts/matrix.py``).
 
 Stdlib only, so the matrix runner can read it without torch. The facts come from the wheel
-sources and from measurement (``docs/compatibility.md``, DESIGN §4):
+sources and from measurement (``docs/compatibility.md``, "The measured matrix"):
 
 ========  ===========  ================  ===========  =================================
 torch     bug (a)      set_reduce_...    bug (c)      gloo FSDP2 on CPU

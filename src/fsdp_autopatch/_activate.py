@@ -26,7 +26,7 @@ from . import _compat, _isolation, _patching, _process, _thirdparty, patches
 from ._catalogue import PATCH_NAMES, POLICIES, WAITED_FOR
 from ._config import THIRD_PARTY, Decision, Settings, read_settings, warn
 from ._registry import REGISTRY, PatchStatus
-from ._spec import Patch, Verdict, unsupported
+from ._spec import Need, Patch, Verdict, unsupported
 
 logger = logging.getLogger("fsdp_autopatch")
 logger.addHandler(logging.NullHandler())
@@ -147,7 +147,7 @@ def _run_fix(name: str, settings: Settings, load: Any, provider: str | None = No
     verdict = _verdict_isolated(patch, settings, decision)
     if verdict is None:
         return
-    if verdict.status != "needed":
+    if verdict.status != Need.NEEDED:
         _record(name, PatchStatus(verdict.status), verdict.reason, decision, verdict)
         return
     try:
@@ -201,7 +201,7 @@ def verdict_of(patch: Patch) -> Verdict:
     makes the patch unsupported (torch left untouched), whatever the version says.
     """
     structural = patch.check()
-    if structural.status == "needed":
+    if structural.status == Need.NEEDED:
         problem = _patching.contract_problem(patch)
         if problem is not None:
             structural = unsupported(f"{problem}: torch left untouched")
@@ -216,7 +216,7 @@ def _run_policy(name: str, settings: Settings) -> None:
     try:
         patch = patches.load_patch(name)
         verdict = verdict_of(patch)
-        if verdict.status != "needed":
+        if verdict.status != Need.NEEDED:
             message = f"requested but not applied: {verdict.reason}"
             REGISTRY.record_policy(name, message, verdict.status)
             if decision.variable:

@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from . import _process
-from ._spec import STRUCTURE, VERSION_AND_STRUCTURE, Verdict
+from ._spec import STRUCTURE, VERSION_AND_STRUCTURE, Need, Verdict
 
 FSDP2_PACKAGE = _process.HOOK_TARGET
 
@@ -48,25 +48,25 @@ def decide(structural: Verdict, version: Version | None, affected: SpecifierSet,
       verdict is conclusive (torch's own fix is there, or nothing for the patch to act on).
     """
     where = version_text(version)
-    if structural.status == "unsupported":
-        return Verdict("unsupported", f"{where}: {structural.reason}", STRUCTURE)
+    if structural.status == Need.UNSUPPORTED:
+        return Verdict(Need.UNSUPPORTED, f"{where}: {structural.reason}", STRUCTURE)
     if version is None or version not in MEASURED_RELEASES:
         note = f"outside the measured releases {range_text(MEASURED_RELEASES)}"
         return Verdict(structural.status, f"{where}: {structural.reason} ({note})", STRUCTURE)
     has_bug = version in affected
     known = f"{bug}: torch {range_text(affected)}"
-    if has_bug == (structural.status == "needed"):
+    if has_bug == (structural.status == Need.NEEDED):
         return Verdict(
             structural.status,
             f"{where}: {structural.reason}; the version range agrees ({known})",
             VERSION_AND_STRUCTURE,
         )
-    if structural.status == "needed":
-        return Verdict("needed", f"{where}: {structural.reason}, outside the version range ({known})", STRUCTURE)
+    if structural.status == Need.NEEDED:
+        return Verdict(Need.NEEDED, f"{where}: {structural.reason}, outside the version range ({known})", STRUCTURE)
     if structural.conclusive:
         return Verdict(structural.status, f"{where}: {structural.reason}", STRUCTURE)
     return Verdict(
-        "unsupported",
+        Need.UNSUPPORTED,
         f"{where}: {structural.reason}, inside the version range ({known}): this build differs from the "
         "measured release, torch left untouched",
         STRUCTURE,

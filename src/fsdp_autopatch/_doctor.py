@@ -170,9 +170,9 @@ def _bootstrap_ran() -> Finding:
 
 def _environment() -> list[Finding]:
     variables = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
-    warnings: list[tuple[str, str]] = []
+    told: list[tuple[str, str]] = []  # (variable, message): what read_settings would warn
     settings = read_settings(
-        os.environ, warn=lambda variable, message: warnings.append((variable, message)), names=_patch_names()
+        os.environ, warn=lambda variable, message: told.append((variable, message)), names=_patch_names()
     )
     findings = []
     if variables:
@@ -180,7 +180,7 @@ def _environment() -> list[Finding]:
         findings.append(Finding("environment", OK, f"set: {shown}"))
     else:
         findings.append(Finding("environment", OK, "no FSDP_AUTOPATCH_* variable set: defaults"))
-    for variable, message in warnings:
+    for variable, message in told:
         findings.append(Finding(
             "environment", WARNING, message, f"fix or unset {variable}"
         ))
@@ -218,7 +218,9 @@ def _torch_and_patches() -> list[Finding]:
             "torch", PROBLEM, "torch is not installed in this interpreter: nothing to protect",
             f"{sys.executable} -m pip install torch",
         )]
-    error = _import_fsdp2()
+    with warnings.catch_warnings():  # the environment findings already name bad values
+        warnings.simplefilter("ignore", ConfigWarning)
+        error = _hook.import_fsdp2(arm=True)
     if error is not None:
         action = "use torch >= 2.6 (FSDP2); see docs/compatibility.md"
         return [Finding("torch", PROBLEM, f"torch {version}: {error}", action)]
@@ -365,30 +367,3 @@ def bf16_accumulation_hint() -> Finding | None:
         f"on this torch, {policy}{aside} {_BF16_ACCUMULATION_COST}",
         "pass reduce_dtype=torch.float32 when you accumulate gradients over micro-batches",
     )
-
-
-def _import_fsdp2() -> str | None:
-    """Import torch's FSDP2 so the registry holds real answers; evaluate the patches even when the
-    bootstrap did not arm them, so the user learns what they would do. None on success."""
-    try:
-        with warnings.catch_warnings():  # the environment findings already name bad values
-            warnings.simplefilter("ignore", ConfigWarning)
-            import torch.distributed.fsdp  # noqa: F401
-    except Exception as error:
-        return f"torch.distributed.fsdp cannot be imported ({type(error).__name__}: {error})"
-    if HOOK_TARGET not in sys.modules:
-        return f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)"
-    nothing_ran = all(r.status is PatchStatus.PENDING for r in REGISTRY.snapshot().patches)
-    if nothing_ran and _process.disabled_at_start() is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConfigWarning)
-            # what the patches would do had the bootstrap run (the hook never raises, but strict)
-            _hook.on_fsdp_import(sys.modules[HOOK_TARGET])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConfigWarning)
-        _hook.import_waited_for()  # DCP's state_dict: its hook applies the entries that wait for it
-        if nothing_ran and _process.disabled_at_start() is None:
-            for target in _process.hook_targets()[1:]:
-                if target in sys.modules:
-                    _hook.on_fsdp_import(sys.modules[target])
-    return None

@@ -49,6 +49,11 @@ def left_to_torch(name: str, case: str, why: str) -> None:
     logger.info("%s left to torch: %s", name, why)
 
 
+class CrossRankMismatch(RuntimeError):
+    """The cross-rank check's finding (``patches/cross_rank_check``): ranks of a process group run
+    different patches, or some never reported theirs. Raised on purpose, for the user."""
+
+
 class GuardError(RuntimeError):
     """A guard stopped a run that torch would train silently wrong.
 

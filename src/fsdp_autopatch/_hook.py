@@ -2,7 +2,7 @@
 
 wrapt lets a post-import hook's exception fail the import it is attached to: the user's
 ``import torch.distributed.fsdp``. So this module is standard library only (it must import on every
-interpreter the package admits), imports the rest of the package only inside ``on_fsdp_import``,
+interpreter the package admits), imports the rest of the package only inside its functions,
 and catches every exception our code raises there: a module of ours that does not import on this
 interpreter, a bug in a check, an apply or the registry. The failure is recorded (every patch not
 yet decided becomes ``failed``, naming the module of ours that raised) and the import goes on with
@@ -12,6 +12,7 @@ Imported by the bootstrap when torch starts executing, never at interpreter star
 """
 
 import os
+import sys
 
 from . import _process
 
@@ -47,6 +48,35 @@ def import_waited_for():
             importlib.import_module(target)
         except Exception:
             pass
+
+
+def import_fsdp2(arm=False):
+    """Import torch's FSDP2 and the modules some entries wait for, so that the registry holds real
+    answers (``status``, ``doctor``), not "pending". None on success, else why FSDP2 is not there.
+
+    ``arm``: where the bootstrap did not run in this process (``python -S``, no ``.pth``), apply the
+    entries anyway, so that the user learns what they would do (doctor); not under the kill switch."""
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+    except Exception as error:
+        return f"torch.distributed.fsdp cannot be imported ({type(error).__name__}: {error})"
+    if _process.HOOK_TARGET not in sys.modules:
+        return f"this torch has no {_process.HOOK_TARGET} (FSDP2 needs torch >= 2.6)"
+    arm = arm and _process.disabled_at_start() is None and _nothing_ran()
+    if arm:  # (the hook never raises, but strict)
+        on_fsdp_import(sys.modules[_process.HOOK_TARGET])
+    import_waited_for()  # DCP's state_dict: its hook applies the entries that wait for it
+    if arm:
+        for target in _process.hook_targets()[1:]:
+            if target in sys.modules:
+                on_fsdp_import(sys.modules[target])
+    return None
+
+
+def _nothing_ran():
+    from ._registry import REGISTRY, PatchStatus
+
+    return all(record.status is PatchStatus.PENDING for record in REGISTRY.snapshot().patches)
 
 
 def strict():

@@ -51,12 +51,17 @@ _PACKAGE = __name__.rpartition(".")[0]
 _ORIGIN = ORIGIN
 _lock = threading.Lock()
 _failed: dict[str, str] = {}  # patch name -> why it failed at call time (later calls go to torch)
-_settings = {"strict": False}
+_strict = False  # FSDP_AUTOPATCH_STRICT=1 (set_strict)
 
 
 def set_strict(strict: bool) -> None:
     """``FSDP_AUTOPATCH_STRICT=1``: a failure at call time is recorded, then raised."""
-    _settings["strict"] = bool(strict)
+    global _strict
+    _strict = bool(strict)
+
+
+def is_strict() -> bool:
+    return _strict
 
 
 def has_failed(patch_name: str) -> bool:
@@ -251,7 +256,7 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
             if _for_the_user(patch_name, error):
                 raise  # a guard's, or one we raise for the user on purpose
             record_failure(patch_name, error, module)
-            if _settings["strict"]:
+            if _strict:
                 raise
             if call.error is not None:  # ours raised while torch's exception was on its way out
                 raise call.error from None
@@ -308,7 +313,7 @@ def isolated(patch_name: str, function: Callable[..., Any], *args: Any, **kwargs
         if _for_the_user(patch_name, error):
             raise
         record_failure(patch_name, error, getattr(function, "__module__", None))
-        if _settings["strict"]:
+        if _strict:
             raise
         return None
 

@@ -293,6 +293,12 @@ def is_applied(patch_name: str) -> bool:
     return patch_name in _applied
 
 
+def in_force(patch_name: str) -> bool:
+    """Applied, and its wrappers have not failed at call time (``_isolation``: they pass through
+    to torch from then on): what a patch's own hooks ask before acting."""
+    return patch_name in _applied and not _isolation.has_failed(patch_name)
+
+
 def on_revert(patch_name: str, forget: Callable[[], None]) -> None:
     """``forget()`` runs whenever ``patch_name`` is reverted: a patch module that keeps state
     beside its wrappers (the cross-rank check's compared groups) starts afresh with the patch."""

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from . import _process
 from ._catalogue import PATCH_NAMES
-from ._config import KILL_SWITCH, THIRD_PARTY, patch_env_var
+from ._config import KILL_SWITCH, THIRD_PARTY, Decision, patch_env_var
 from ._process import HOOK_TARGET
 from ._version import __version__
 
@@ -153,6 +153,9 @@ def _pending_reason(name: str) -> str:
     # not FSDP2's: a program that never imports this module never meets the bug (nothing to fix)
     return f"waiting for {trigger} to be imported (the module it fixes; FSDP2 does not import it)"
 
+# Per applied patch name, where its values were replaced after it: (place, what is there, still calls ours)
+DisplacementProbe = Callable[[str], list[tuple[str, str, bool]]]
+
 # How the reason of a patch whose wrapper raised at call time starts (``_isolation``; doctor reads it).
 CALL_TIME_FAILURE = "failed at call time"
 
@@ -176,6 +179,15 @@ class _Entry:
 
 
 class Registry:
+    """Every patch's and policy's record in this process, under one lock (:data:`REGISTRY`).
+
+    Written by ``_activate`` (each entry's outcome, third-party discovery), ``_hook`` (what stays
+    pending when the import hook could not run), ``_isolation`` (a wrapper that failed at call
+    time) and ``_events.fired`` (each fire); read as a :class:`StatusReport` by :meth:`snapshot`
+    (``fsdp_autopatch.status()``, the CLI, doctor). Every patch of the catalogue starts pending; a
+    policy has a record only once it is switched on.
+    """
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[str, _Entry] = {}
@@ -185,7 +197,7 @@ class Registry:
         self._torch_version: str | None = None
         # reads, per applied patch, where its values were replaced after it (``_patching``); kept
         # across :meth:`reset`
-        self._displaced: Callable[[str], list[tuple[str, str, bool]]] | None = None
+        self._displaced: DisplacementProbe | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -197,11 +209,11 @@ class Registry:
             self._fired = {}
 
     def record(
-        self, name: str, status: PatchStatus, reason: str, decided_by: str = "", decision: Any = None
+        self, name: str, status: PatchStatus, reason: str, decided_by: str = "", decision: Decision | None = None
     ) -> None:
-        """``decision``: the ``_config.Decision`` that let the patch be tried or switched it off."""
-        variable = getattr(decision, "variable", None)
-        value = getattr(decision, "value", None)
+        """``decision``: what let the patch be tried or switched it off (None: not read yet)."""
+        variable = decision.variable if decision is not None else None
+        value = decision.value if decision is not None else None
         with self._lock:
             provider = self._records[name].provider if name in self._records else None
             self._records[name] = _Entry(status, reason, decided_by, variable, value, provider)
@@ -256,7 +268,7 @@ class Registry:
         with self._lock:
             self._torch_version = version
 
-    def watch_displacement(self, probe: Callable[[str], list[tuple[str, str, bool]]]) -> None:
+    def watch_displacement(self, probe: DisplacementProbe) -> None:
         """``probe(name)``: where an applied patch's values were replaced after it, read at each
         snapshot (someone else's monkey-patch over ours is only visible at the target itself)."""
         self._displaced = probe
@@ -293,7 +305,7 @@ def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:
     )
 
 
-def _with_displacement(record: PatchRecord, probe: Any) -> PatchRecord:
+def _with_displacement(record: PatchRecord, probe: DisplacementProbe | None) -> PatchRecord:
     """An applied record says where someone else's value replaced ours after us."""
     if probe is None or record.status is not PatchStatus.APPLIED:
         return record

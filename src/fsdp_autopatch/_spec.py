@@ -21,6 +21,7 @@ Example (``patches/accumulated_grad_guard.py``)::
     )
 """
 
+import enum
 from typing import Any, Callable, NamedTuple, Optional
 
 from ._catalogue import FIX, GUARD, POLICY, toggle_for
@@ -32,30 +33,42 @@ STRUCTURE = "structural check"
 VERSION_AND_STRUCTURE = "version range and structural check"
 
 
+class Need(str, enum.Enum):
+    """A structural check's answer (``Verdict.status``); equal to its string, as ``PatchStatus``."""
+
+    NEEDED = "needed"
+    NOT_NEEDED = "not_needed"  # also a PatchStatus: the record says it as it is
+    UNSUPPORTED = "unsupported"  # also a PatchStatus
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Verdict(NamedTuple):
     """A patch's answer to "needed here?".
 
-    ``status`` is "needed", "not_needed" or "unsupported"; ``decided_by`` says which check decided
-    it. ``conclusive``: the structural check saw something no version can overrule (torch's own
-    fix is there, or there is nothing for the patch to act on), so it stands on any release.
+    ``status`` is a :class:`Need` (a plain "needed", "not_needed" or "unsupported" compares equal);
+    ``decided_by`` says which check decided it. ``conclusive``: the structural check saw something
+    no version can overrule (torch's own fix is there, or there is nothing for the patch to act
+    on), so it stands on any release.
     """
 
-    status: str
+    status: Need
     reason: str
     decided_by: str = STRUCTURE
     conclusive: bool = False
 
 
 def needed(reason: str) -> Verdict:
-    return Verdict("needed", reason)
+    return Verdict(Need.NEEDED, reason)
 
 
 def not_needed(reason: str, conclusive: bool = False) -> Verdict:
-    return Verdict("not_needed", reason, STRUCTURE, conclusive)
+    return Verdict(Need.NOT_NEEDED, reason, STRUCTURE, conclusive)
 
 
 def unsupported(reason: str) -> Verdict:
-    return Verdict("unsupported", reason)
+    return Verdict(Need.UNSUPPORTED, reason)
 
 
 # What a wrapper's guard does when our code raises *after* torch's original ran

@@ -284,7 +284,7 @@ def run_case(ctx: sc.Ctx, name: str, phases: list[str], strict: bool) -> dict[st
     saved = (REGISTRY._records.get(case.patch), dict(REGISTRY._policies))
     injector = Injector(name, case) if case.target else None
     rec: dict[str, Any] = {"was_applied": was_applied, "strict": strict}
-    previous_strict = _isolation._settings["strict"]
+    previous_strict = _isolation.is_strict()
     try:
         _patching.revert(case.patch)
         if "off" in phases:
@@ -315,7 +315,7 @@ def sc_call_faults(ctx: sc.Ctx) -> None:
 
     from fsdp_autopatch import _isolation
 
-    ctx.data["strict_at_start"] = _isolation._settings["strict"]
+    ctx.data["strict_at_start"] = _isolation.is_strict()
     ctx.data["example"] = importlib.util.find_spec("fsdp_autopatch_example") is not None
     logging.getLogger("fsdp_autopatch").addHandler(WARNINGS)
     for name, phases, strict in ctx.args["plan"]:

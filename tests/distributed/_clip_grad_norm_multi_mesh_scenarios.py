@@ -1,7 +1,7 @@
 """clip_grad_norm_multi_mesh scenarios (PyTorch issue 180346): gradient clipping over several meshes.
 
-Scenario ``clip_multi_mesh`` (``run_ranks("clip_grad_norm_multi_mesh")``, 2 gloo ranks; see ``_registry``). The
-test imports this module for the model, the data and the one-process reference.
+Scenario ``clip_grad_norm_multi_mesh`` (2 gloo ranks; see ``_registry``). The test imports this
+module for the model, the data and the one-process reference.
 
 Model: ``dense = Linear(8, 8)`` and ``experts = Linear(8, 8, bias=False)`` (an expert weight), and
 ``extra``, a parameter outside every FSDP2 unit (a plain-tensor gradient, averaged over the ranks by

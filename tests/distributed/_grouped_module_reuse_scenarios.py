@@ -1,9 +1,9 @@
 """grouped_module_reuse scenarios (PyTorch issue 183702): a grouped unit's module called again.
 
-Scenario ``grouped_reuse`` (``run_ranks("grouped_module_reuse")``, 2 gloo ranks; ``_rank`` makes the 30 s
-process group and the gloo-AVG workaround of torch 2.8), and the one-process worlds
-``reuse_threaded`` and ``reuse_fake`` (``world_size=1``, ``gloo=False``). The test imports this
-module for the model, the losses and the one-process reference.
+Scenario ``grouped_module_reuse`` (2 gloo ranks; ``_rank`` makes the 30 s process group and the
+gloo-AVG workaround of torch 2.8), and the one-process worlds ``grouped_module_reuse:threaded`` and
+``grouped_module_reuse:fake`` (``world_size=1``, ``gloo=False``). The test imports this module for
+the model, the losses and the one-process reference.
 
 The model is the issue's smallest input: ``layer = Linear(8, 8)``, ``norm = LayerNorm(8)``,
 ``head = Linear(8, 4, bias=False)``, ``mtp.proj = Linear(8, 8)``; units ``fully_shard(layer)``,

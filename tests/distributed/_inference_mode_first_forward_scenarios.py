@@ -1,7 +1,7 @@
 """inference_mode_first_forward scenario: an evaluation under ``torch.inference_mode()`` before the
 first training step.
 
-Scenario ``inference_first_forward`` (2 gloo ranks). The model: ``Net``, a ``Linear(8, 5)`` unit
+Scenario ``inference_mode_first_forward`` (2 gloo ranks). The model: ``Net``, a ``Linear(8, 5)`` unit
 (``fully_shard(net.inp)``: 5 rows over 2 ranks, so padded) and the root's ``Linear(5, 4)``; AdamW
 built right after ``fully_shard``. Each sequence: one evaluation forward under ``<mode>``, then 2
 training steps (forward, ``loss.backward()``, ``step``, gradients recorded, ``zero_grad``).

@@ -1,6 +1,6 @@
 """inplace_view_output scenario (PyTorch issue 181832): a unit's output view modified in place.
 
-Scenario ``inplace_view`` (2 gloo ranks). The model: ``pre = Linear(8, 8)`` (the root's own
+Scenario ``inplace_view_output`` (2 gloo ranks). The model: ``pre = Linear(8, 8)`` (the root's own
 parameters) and ``block``, its own unit (``fully_shard(block)``: reshard after forward), whose
 ``lin = Linear(8, 8)`` output is returned as a view; the root's forward (the caller) modifies that
 output in place, then the loss is ``out.float().pow(2).sum()``.

@@ -1,4 +1,4 @@
-"""4-rank scenario ``mesh_cache`` for post_forward_mesh_cache (``run_ranks("post_forward_mesh_cache", world_size=4)``).
+"""4-rank scenario ``post_forward_mesh_cache`` (``run_ranks("post_forward_mesh_cache", world_size=4)``).
 
 An integer ``reshard_after_forward=2`` on a 4-rank shard mesh makes FSDP2 build a post-forward
 ``DeviceMesh`` of shape (2, 2): 2 process groups on each rank, per unit without the patch. Every

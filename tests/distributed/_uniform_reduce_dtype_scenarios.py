@@ -1,6 +1,6 @@
 """uniform_reduce_dtype scenarios: bf16 params, fp32 reduce, mixed gradient dtypes at the reduce.
 
-``uniform_dtype``: cases ``late_param`` and ``fill_zero`` (see the scenario's docstring and
+Scenario ``uniform_reduce_dtype``: cases ``late_param`` and ``fill_zero`` (see the scenario's docstring and
 ``test_dist_uniform_reduce_dtype.py``).
 """
 

@@ -17,6 +17,7 @@ import _dist_common as sc
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "accumulated_grad_guard"
+BUG = ck.ex.BUG_OF[PATCH]
 TOWER = ("tower.0.weight", "tower.0.bias", "tower.2.weight", "tower.2.bias")
 MESSAGE = "'FSDPParam' object has no attribute '_unsharded_param'"
 
@@ -59,7 +60,7 @@ def test_unpatched(unpatched):
         outcome, detail = ck.ex.REPRODUCES, "AttributeError '_unsharded_param' on every rank"
     else:
         outcome, detail = ck.ex.FIXED, "no error, gradients equal the reference"
-    ck.expect_unpatched("a", outcome, detail, unpatched)
+    ck.expect_unpatched(BUG, outcome, detail, unpatched)
     ck.assert_registry_with_disabled(unpatched, PATCH)
     if outcome == ck.ex.FIXED:
         unpatched.assert_clean()
@@ -82,4 +83,4 @@ def test_patched_text_only_step(patched):
 
 def test_patched_tower_joins_in_a_later_step(patched):
     _check_image_last(patched)
-    ck.observe_patched("a", "tower grads None on text-only steps, all grads equal the reference")
+    ck.observe_patched(BUG, "tower grads None on text-only steps, all grads equal the reference")

@@ -24,7 +24,7 @@ import _dist_checks as ck
 pytestmark = [pytest.mark.timeout(300)]
 
 PATCH = sc.NAME
-BUG = "x"
+BUG = ck.ex.BUG_OF[PATCH]
 
 unpatched, patched = ck.off_and_on("cast_inputs_keep_containers", PATCH)
 

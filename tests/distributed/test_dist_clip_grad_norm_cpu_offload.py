@@ -26,7 +26,7 @@ import _dist_checks as ck
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "clip_grad_norm_cpu_offload"
-BUG = "u"
+BUG = ck.ex.BUG_OF[PATCH]
 SYMPTOM = "No backend type associated with device type cpu"
 NONFINITE = "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it cannot be clipped."
 FINITE = tuple(c for c in sc.CASES if not sc.parse(c)["nan"])

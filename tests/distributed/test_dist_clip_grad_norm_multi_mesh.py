@@ -23,7 +23,7 @@ from _dist_launcher import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "clip_grad_norm_multi_mesh"
-BUG = "h"
+BUG = ck.ex.BUG_OF[PATCH]
 LAUNCH_TIMEOUT_S = 150.0
 MESH_RE = re.compile(r"All operands in aten\.stack\.default must have the same mesh")
 # torch 2.9 words the same refusal as a failed propagation whose operands sit on different meshes

@@ -1,6 +1,6 @@
 """compiled_autograd_guard: FSDP2's backward under compiled autograd (2 gloo ranks).
 
-Scenario ``compiled_autograd`` (``_compiled_autograd_guard_scenarios``): a 2-layer MLP, both
+Scenario ``compiled_autograd_guard`` (``_compiled_autograd_guard_scenarios``): a 2-layer MLP, both
 Linears and the root ``fully_shard``ed, 3 SGD steps on each rank's own batch; the backward eager,
 after a ``torch.compile``d forward, and under ``compiled_autograd._enable`` (fp32, bf16/fp32).
 
@@ -33,7 +33,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(600)  # two jobs that compile (eager backend): ~15 - 45 s each here
 
 PATCH = "compiled_autograd_guard"
-BUG = "l"
+BUG = ck.ex.BUG_OF[PATCH]
 TIMEOUT_S = 400.0
 COMPILED_AUTOGRAD = ("compiled_autograd", "compiled_autograd_bf16")
 SILENT = ("eager", "compile_forward")

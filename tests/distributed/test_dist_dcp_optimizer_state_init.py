@@ -1,6 +1,6 @@
 """dcp_optimizer_state_init: a DCP save, then a fresh model and optimizer that load it (2 gloo ranks).
 
-Scenario ``dcp_resume`` (``_dcp_optimizer_state_init_scenarios``):
+Scenario ``dcp_optimizer_state_init`` (``_dcp_optimizer_state_init_scenarios``):
 
 * patch off: the resume stops at ``dcp.load`` with ``Missing key in checkpoint state_dict:
   optim.state.spare.weight.step`` when a parameter had no optimizer state at the save (with the

@@ -1,6 +1,6 @@
 """fsdp_module_abc_layout: ``fully_shard`` on ``class Model(abc.ABC, nn.Module)`` (2 gloo ranks).
 
-Scenario ``abc_layout`` (``_fsdp_module_abc_layout_scenarios``): two ABC-first blocks, a plain
+Scenario ``fsdp_module_abc_layout`` (``_fsdp_module_abc_layout_scenarios``): two ABC-first blocks, a plain
 ``LayerNorm`` and an ABC-first root, each its own unit, fp32 and bf16/fp32 mixed precision.
 
 * patch off: the first ``fully_shard`` raises ``TypeError: __class__ assignment: 'FSDPTanhBlock'
@@ -24,7 +24,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "fsdp_module_abc_layout"
-BUG = "i"
+BUG = ck.ex.BUG_OF[PATCH]
 CASES = {"default": False, "bf16": True}  # case -> bf16 tolerance
 MESSAGE = "__class__ assignment: 'FSDPTanhBlock' object layout differs from 'TanhBlock'"
 

@@ -1,6 +1,6 @@
 """gradient_divide_factor_single_rank: a custom divide factor on a one-rank shard group (2 gloo ranks).
 
-Scenario ``divide_factor_single_rank`` (``_gradient_divide_factor_single_rank_scenarios``):
+Scenario ``gradient_divide_factor_single_rank`` (``_gradient_divide_factor_single_rank_scenarios``):
 ``set_gradient_divide_factor(4)`` on every FSDP module of a small MLP, HSDP mesh ``(2, 1)`` (a
 one-rank shard group) with force-sum fp32 and with an fp16 reduce, their twins on mesh ``(1, 2)``
 (a 2-rank shard group) and the ``(2, 1)`` default path (no force-sum).
@@ -26,7 +26,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "gradient_divide_factor_single_rank"
-BUG = "j"
+BUG = ck.ex.BUG_OF[PATCH]
 FP16_REL = 1e-3  # fp16 reduce vs the fp32 reference (measured 4.3e-05 absolute on 2.13)
 CONTROLS = ("shard_1x2_sum", "shard_1x2_fp16", "hsdp_2x1_default")
 # The (2, 1) factor-only case is right only where torch's one-rank copy divides (where the patch

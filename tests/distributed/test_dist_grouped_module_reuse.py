@@ -23,7 +23,7 @@ from _dist_launcher import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "grouped_module_reuse"
-BUG = "f"
+BUG = ck.ex.BUG_OF[PATCH]
 LAUNCH_TIMEOUT_S = 150.0
 STORAGE_RE = re.compile(r"setStorage: .* out of bounds for storage of size 0")
 TOLERANCE = 1e-5  # max |grad - reference|, fp32

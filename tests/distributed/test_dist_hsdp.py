@@ -241,7 +241,8 @@ def test_a_unpatched(unpatched):
     """2.7-2.14: the first no-sync backward crashes on every rank; 2.15: right gradients."""
     errors = [error_of(unpatched, r, "grad_guard_text_only") for r in range(hs.WORLD)]
     crashed = all(e is not None and (e["type"], e["message"]) == ("AttributeError", GUARD_MESSAGE) for e in errors)
-    assert ck.unpatched_agrees("a", ck.ex.REPRODUCES if crashed else ck.ex.FIXED), unpatched.describe()
+    outcome = ck.ex.REPRODUCES if crashed else ck.ex.FIXED
+    assert ck.unpatched_agrees(ck.ex.BUG_OF["accumulated_grad_guard"], outcome), unpatched.describe()
     if crashed:
         for e in errors:
             assert "to_accumulated_grad_if_needed" in e["traceback"], e["traceback"]
@@ -262,7 +263,8 @@ def test_c_unpatched(unpatched):
     late = [_dtype_assertion(error_of(unpatched, r, "late_param")) for r in range(hs.WORLD)]
     fill = [_dtype_assertion(error_of(unpatched, r, "fill_zero")) for r in range(hs.WORLD)]
     reproduces = all(late) and not fill[0] and all(fill[1:])
-    assert ck.unpatched_agrees("c", ck.ex.REPRODUCES if reproduces else ck.ex.FIXED), unpatched.describe()
+    outcome = ck.ex.REPRODUCES if reproduces else ck.ex.FIXED
+    assert ck.unpatched_agrees(ck.ex.BUG_OF["uniform_reduce_dtype"], outcome), unpatched.describe()
     if reproduces:
         err0 = error_of(unpatched, 0, "fill_zero")
         assert err0 is not None and err0["type"] in ("RuntimeError", "DistBackendError"), err0
@@ -273,7 +275,7 @@ def test_c_unpatched(unpatched):
 
 
 def test_d_unpatched_param_used_nowhere_gets_zero_and_moves(unpatched):
-    assert ck.UNPATCHED["d"] == ck.ex.REPRODUCES
+    assert ck.UNPATCHED[ck.ex.BUG_OF["restore_unused_param_grads"]] == ck.ex.REPRODUCES
     moved = []
     for rank, rec in enumerate(records(unpatched, "restore_partial")):
         for name in E(2):
@@ -291,7 +293,8 @@ def test_d_unpatched_param_used_nowhere_gets_zero_and_moves(unpatched):
 
 # --- cross-rank check: global rank 3 has restore_unused_param_grads off ---------------------------
 
-PEER_LOST = ("RuntimeError", "DistBackendError", "DistNetworkError", "DistStoreError")
+# the check's own error, or a peer lost meanwhile
+STOPPED = ("CrossRankMismatch", "RuntimeError", "DistBackendError", "DistNetworkError", "DistStoreError")
 MISMATCH = "restore_unused_param_grads: applied on rank {peer}, disabled on rank 3"
 
 
@@ -302,7 +305,7 @@ def test_rank3_named_by_its_process_groups(rank3_differs):
     for rank in run.ranks:  # every rank stops with an error (no rank trains on)
         err = error_of(run, rank.rank, "first_forward")
         # rank 0 hosts the c10d store: a rank still waiting on it when rank 0 exits gets "Broken pipe"
-        assert err is not None and err["type"] in PEER_LOST, run.describe()
+        assert err is not None and err["type"] in STOPPED, run.describe()
     for r in (2, 3):
         err = error_of(run, r, "first_forward")
         assert "ranks disagree" in err["message"] and MISMATCH.format(peer=2) in err["message"], err["message"]

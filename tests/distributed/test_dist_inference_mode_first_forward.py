@@ -1,7 +1,7 @@
 """inference_mode_first_forward: an evaluation under ``torch.inference_mode()`` before the first
 training step (2 gloo ranks).
 
-Scenario ``inference_first_forward`` (``_inference_mode_first_forward_scenarios``): evaluate, then
+Scenario ``inference_mode_first_forward`` (``_inference_mode_first_forward_scenarios``): evaluate, then
 2 AdamW steps; fp32 and bf16 ``param_dtype``, reshard after forward or not, HSDP ``(2, 1)``.
 
 * patch off: every ``inference/*`` case raises on every rank: ``RuntimeError: Inplace update to
@@ -26,7 +26,7 @@ import _inference_mode_first_forward_scenarios as im
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = im.NAME
-BUG = "q"
+BUG = ck.ex.BUG_OF[PATCH]
 INPLACE = "Inplace update to inference tensor outside InferenceMode is not allowed"
 SAVED = "Inference tensors cannot be saved for backward"
 COUNTER = "Inference tensors do not track version counter"  # the one-rank copy on 2.13

@@ -1,6 +1,6 @@
 """inplace_view_output: a unit's output view modified in place by its caller (2 gloo ranks).
 
-Scenario ``inplace_view`` (``_inplace_view_output_scenarios``): ``fully_shard(block)`` returns a
+Scenario ``inplace_view_output`` (``_inplace_view_output_scenarios``): ``fully_shard(block)`` returns a
 view of its ``Linear`` output (transpose, view, ``nn.Linear`` on 3-D), the root's forward modifies
 it in place (``mul_``, ``+=``, ``masked_fill_``); fp32, activation checkpointing, bf16/fp32.
 
@@ -27,7 +27,7 @@ import _inplace_view_output_scenarios as iv
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "inplace_view_output"
-BUG = "m"
+BUG = ck.ex.BUG_OF[PATCH]
 MESSAGE_START = "setStorage: sizes [8, 8], strides [8, 1], storage offset 0, and itemsize "
 MESSAGE_END = "out of bounds for storage of size 0"
 # under activation checkpointing the recomputed forward meets the sharded DTensor weight instead

@@ -27,7 +27,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(420)
 
 PATCH = "keep_param_attributes"
-BUG = "g"
+BUG = ck.ex.BUG_OF[PATCH]
 LAUNCH_TIMEOUT_S = 180.0
 CASES = ("default", "cpu_offload")
 STAGES = ("fully_shard", "apply", "forward", "backward", "step0", "step1", "unshard", "reshard")

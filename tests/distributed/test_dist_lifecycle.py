@@ -37,6 +37,7 @@ pytestmark = pytest.mark.timeout(900)
 
 LAUNCH_TIMEOUT_S = 240
 IM_ENTRY = "inference_mode_first_forward"
+DCP_BUG, IM_BUG = ck.ex.BUG_OF["dcp_optimizer_state_init"], ck.ex.BUG_OF[IM_ENTRY]
 IM_CASE = "fsdp/fill/im"
 ON_CASES = ["fsdp/fill", "fsdp/nofill", "hsdp/fill", "offload/fill", "offload/nofill"]
 # torch alone: the fill (and the im case, which has it) only where torch has its own (>= 2.13);
@@ -220,7 +221,7 @@ def test_off_torch_resumes_with_the_fill(life):
 
 def test_off_missing_key_for_a_parameter_that_never_had_a_gradient(life):
     """torch alone, the fill off: the spare never had a gradient, the resume stops (PyTorch issue 192202)."""
-    errors = _error(life.resume["off"], f"off/fsdp/nofill/step{lc.K}", "p")
+    errors = _error(life.resume["off"], f"off/fsdp/nofill/step{lc.K}", DCP_BUG)
     for error in errors:
         assert error.startswith("CheckpointException") and MISSING_KEY in error, error
         assert "optim.state.spare." in error or "optim.state.solo." in error, error
@@ -230,7 +231,7 @@ def test_off_missing_key_for_a_parameter_that_never_had_a_gradient(life):
 def test_dcp_fix_off_restore_leaves_missing_key(life):
     """Ours without the DCP fix, the fill on: ``restore_unused_param_grads`` keeps the spare's gradient
     None, the checkpoint has no entry for it, and the resume stops (with the fix: test_resume_...)."""
-    errors = _error(life.resume["on"], f"dcp_off/fsdp/fill/step{lc.K}", "p")
+    errors = _error(life.resume["on"], f"dcp_off/fsdp/fill/step{lc.K}", DCP_BUG)
     for error in errors:
         assert error.startswith("CheckpointException") and MISSING_KEY + "spare." in error, error
     print(f"\n[dcp_off] fsdp/fill resume: {_key_line(errors[0]) if errors else 'resumes on this torch'}")
@@ -243,7 +244,7 @@ def test_off_step0_checkpoint_silently_wrong(life):
         loaded.append(set(got["loaded_steps"].values()))
         diffs.append(max_abs_diff(got["params"], want["params"]))
     outcome = ck.ex.REPRODUCES if max(diffs) > 0 else ck.ex.FIXED
-    assert ck.unpatched_agrees("p", outcome), (outcome, ck.UNPATCHED["p"], diffs)
+    assert ck.unpatched_agrees(DCP_BUG, outcome), (outcome, ck.UNPATCHED[DCP_BUG], diffs)
     if outcome == ck.ex.REPRODUCES:
         assert loaded == [{1.0}] * len(loaded) and min(diffs) > 1e-4, (loaded, diffs)
     last = f"{lc.STEPS}/no_grad"
@@ -256,7 +257,7 @@ def test_off_inference_mode_before_first_step_crashes(life):
     outside inference mode: the ``no_grad`` evaluation that follows it, else the first training step."""
     if IM_CASE not in OFF_CASES:
         pytest.skip(NO_FILL_SKIP)
-    errors = _error(life.save["off"], IM_CASE, "q")
+    errors = _error(life.save["off"], IM_CASE, IM_BUG)
     for error in errors:
         assert error.startswith("RuntimeError") and INFERENCE_ERROR in error, error
     first = [rank.cases[IM_CASE]["evals"] for rank in life.save["off"].ranks]

@@ -1,6 +1,6 @@
 """optimizer_unsharded_params_guard: an optimizer built after a no-grad forward (2 gloo ranks).
 
-Scenario ``optimizer_unsharded`` (``_optimizer_unsharded_params_guard_scenarios``): two ``Linear``
+Scenario ``optimizer_unsharded_params_guard`` (``_optimizer_unsharded_params_guard_scenarios``): two ``Linear``
 units and a root-owned ``head``; 3 SGD steps per case, against a one-process reference.
 
 * patch off, case ``bug``: the optimizer got the root's ``head.weight`` / ``head.bias`` as plain
@@ -26,7 +26,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "optimizer_unsharded_params_guard"
-BUG = "k"
+BUG = ck.ex.BUG_OF[PATCH]
 RIGHT_CASES = ("optimizer_first", "reshard", "explicit_reshard")
 ROOT_PARAMS = ("head.weight", "head.bias")
 MIN_DIFF = 1e-3  # measured |w - ref| of head.* after 3 steps: 3.0e-2 / 7.1e-2 on 2.13

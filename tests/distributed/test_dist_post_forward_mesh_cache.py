@@ -19,6 +19,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(600)
 
 PATCH = "post_forward_mesh_cache"
+BUG = ck.ex.BUG_OF[PATCH]
 LAUNCH_TIMEOUT_S = 240.0  # 4 ranks on a busy 2-core machine: torch import x 4 is most of it
 TRAINED = ("units8", "units16", "uneven_gc")
 # process groups each rank gains per case: torch alone (2 per unit and mesh) / with the patch
@@ -88,7 +89,7 @@ def test_unpatched(unpatched):
     assert not unpatched.timed_out, unpatched.describe()
     unpatched.assert_clean()
     outcome, detail = _unpatched_outcome(unpatched)
-    ck.expect_unpatched("e", outcome, detail, unpatched)
+    ck.expect_unpatched(BUG, outcome, detail, unpatched)
     ck.assert_registry_with_disabled(unpatched, PATCH)
     for case in cases(unpatched):
         units = measured(unpatched, case, "units")
@@ -112,7 +113,7 @@ def test_patched_process_groups_do_not_grow_with_units(patched):
     for case in ("second_model", "sliced") + (() if skipped(patched, "placement") else ("placement",)):
         assert measured(patched, case, "shares_first_mesh") is True, case
     assert measured(patched, "sliced", "new_mesh_per_slicing") is True  # an identity-keyed cache would miss
-    ck.observe_patched("e", f"process groups per rank: 8 units -> {counts['units8']}, 16 units -> {counts['units16']}")
+    ck.observe_patched(BUG, f"process groups per rank: 8 units -> {counts['units8']}, 16 units -> {counts['units16']}")
 
 
 def test_patched_new_world_gets_its_own_mesh(patched):

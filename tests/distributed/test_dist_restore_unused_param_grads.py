@@ -17,6 +17,7 @@ from _dist_launcher import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "restore_unused_param_grads"
+BUG = ck.ex.BUG_OF[PATCH]
 UNUSED = ("experts.2.weight", "experts.2.bias")
 ONE_RANK = ("experts.0.weight", "experts.0.bias", "experts.1.weight", "experts.1.bias")
 
@@ -68,7 +69,7 @@ def test_unpatched_unused_param_gets_zero_grad_and_moves(unpatched):
     unpatched.assert_clean()
     ck.assert_registry_with_disabled(unpatched, PATCH)
     _check_warmup(unpatched)
-    ck.expect_unpatched("d", *_unused_param_outcome(unpatched), unpatched)
+    ck.expect_unpatched(BUG, *_unused_param_outcome(unpatched), unpatched)
     for rank in unpatched.ranks:
         rec = rank.cases["partial"]
         for n in UNUSED:
@@ -93,7 +94,7 @@ def test_patched_unused_param_untouched(patched):
             assert torch.equal(rec["params_after"][n], rec["params_before"][n]), n  # bitwise
             assert rec["steps_before"][n] == rec["steps_after"][n] == 1.0, n
             assert rec["exp_avg_before"][n].abs().sum() > 0  # AdamW had momentum to move it with
-    ck.observe_patched("d", "grad None, weights and AdamW step unchanged")
+    ck.observe_patched(BUG, "grad None, weights and AdamW step unchanged")
 
 
 def test_patched_params_used_on_one_rank_keep_averaged_grads(patched):

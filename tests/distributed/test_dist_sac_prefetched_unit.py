@@ -26,7 +26,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "sac_prefetched_unit"
-BUG = "o"
+BUG = ck.ex.BUG_OF[PATCH]
 TRIGGERS = ("unshard", "prefetch")
 CORRECTED = ("unshard", "prefetch", "save_all")
 MESSAGE_START = "profiler._record_function_enter_new.default invocation index "

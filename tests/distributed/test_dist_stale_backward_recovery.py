@@ -1,6 +1,6 @@
 """stale_backward_recovery: the steps after a backward that raised on every rank (2 gloo ranks).
 
-Scenario ``stale_backward`` (``_stale_backward_recovery_scenarios``): ``Net`` with two units and a
+Scenario ``stale_backward_recovery`` (``_stale_backward_recovery_scenarios``): ``Net`` with two units and a
 root, SGD; step 0's backward raises on every rank, the loop catches it and trains steps 1 and 2.
 
 * patch off: every state stays in PRE_BACKWARD, the next forwards are taken for recomputes: no
@@ -30,7 +30,7 @@ from _dist_launcher import RunResult
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "stale_backward_recovery"
-BUG = "n"
+BUG = ck.ex.BUG_OF[PATCH]
 STEPS = (1, 2)
 
 

@@ -23,6 +23,7 @@ import _dist_common as sc
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "uniform_reduce_dtype"
+BUG = ck.ex.BUG_OF[PATCH]
 ASSERT_RE = re.compile(
     r"FSDP reduce-scatter expects uniform gradient dtype but got "
     r"\{torch\.(bfloat16|float32), torch\.(bfloat16|float32)\}"
@@ -68,7 +69,7 @@ def test_unpatched(unpatched):
     """torch <= 2.14 asserts; 2.15 removed the assertion and gives the right gradients."""
     assert not unpatched.timed_out, unpatched.describe()
     outcome, detail = _unpatched_outcome(unpatched)
-    ck.expect_unpatched("c", outcome, detail, unpatched)
+    ck.expect_unpatched(BUG, outcome, detail, unpatched)
     ck.assert_registry_with_disabled(unpatched, PATCH)
     if outcome == ck.ex.FIXED:
         unpatched.assert_clean()
@@ -89,7 +90,7 @@ def test_patched_grads_fp32_and_correct(patched, case, plan):
     if case == "late_param":  # registry check once per run
         ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})
     _check_grads(patched, case, plan)
-    ck.observe_patched("c", "fp32 gradients equal the reference (late param, fill zero)")
+    ck.observe_patched(BUG, "fp32 gradients equal the reference (late param, fill zero)")
 
 
 def test_patched_fires_on_the_mixed_dtype_reduce(patched):

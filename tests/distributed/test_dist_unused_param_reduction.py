@@ -30,6 +30,7 @@ from _dist_launcher import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "unused_param_reduction"
+BUG = ck.ex.BUG_OF[PATCH]
 E = {i: (f"experts.{i}.weight", f"experts.{i}.bias") for i in range(4)}
 ALWAYS = ("inp.weight", "inp.bias", "out.weight", "out.bias", *E[2])
 
@@ -153,7 +154,7 @@ def test_unpatched(unpatched, reference):
         outcome, detail = ck.ex.FIXED, "torch's own set_reduce_scatter_unused_params: gradients equal the reference"
     else:
         outcome, detail = "other", f"errors {errors}"
-    ck.expect_unpatched("b", outcome, detail, unpatched)
+    ck.expect_unpatched(BUG, outcome, detail, unpatched)
     ck.assert_registry_with_disabled(unpatched, PATCH)
     if outcome == ck.ex.FIXED:
         unpatched.assert_clean()
@@ -173,7 +174,7 @@ def test_native_api_gives_averaged_gradients(native_then_flag_off, reference):
         else:
             assert fills == 0  # torch has no fill: the backport did the work
     source = "torch's method" if ck.NATIVE_UNUSED_PARAM_API else "the backported method"
-    ck.observe_patched("b", f"{source}: every expert's gradient equals the reference")
+    ck.observe_patched(BUG, f"{source}: every expert's gradient equals the reference")
 
 
 def test_backport_gives_averaged_gradients(backport, reference):

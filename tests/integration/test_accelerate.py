@@ -258,17 +258,17 @@ def test_example_under_accelerate_launch_matches_the_single_process_reference(tm
 
 
 @pytest.mark.parametrize(
-    "patch, bug, symptom",
+    "patch, symptom",
     [
-        ("accumulated_grad_guard", "a", "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"),
-        ("uniform_reduce_dtype", "c", "AssertionError: FSDP reduce-scatter expects uniform gradient dtype"),
-        ("restore_unused_param_grads", "d", "AdamW moved the never-used expert"),
+        ("accumulated_grad_guard", "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"),
+        ("uniform_reduce_dtype", "AssertionError: FSDP reduce-scatter expects uniform gradient dtype"),
+        ("restore_unused_param_grads", "AdamW moved the never-used expert"),
     ],
 )
-def test_each_patch_off_the_example_fails_where_the_bug_exists(tmp_path, patch, bug, symptom):
+def test_each_patch_off_the_example_fails_where_the_bug_exists(tmp_path, patch, symptom):
     result = torchrun(EXAMPLE, tmp_path, {ck.ENV[patch]: "0"})
     output = result.stdout + result.stderr
-    if ck.UNPATCHED[bug] == ck.ex.REPRODUCES:
+    if ck.UNPATCHED[ck.ex.BUG_OF[patch]] == ck.ex.REPRODUCES:
         assert result.returncode != 0, describe([result])
         assert symptom in output, describe([result])
     else:  # this torch fixed it: the example is healthy without the patch
@@ -307,17 +307,17 @@ def test_trainer_on_cpu_fsdp_config_falls_back_to_ddp_but_load_time_fsdp2_runs(t
 
 
 @pytest.mark.parametrize(
-    "patch, bug, symptom",
+    "patch, symptom",
     [
-        ("accumulated_grad_guard", "a", "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"),
+        ("accumulated_grad_guard", "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"),
         # uniform_reduce_dtype (c) fails here too (measured; docs/guides/hf-trainer.md): left out to
         # keep this file's runtime down, the Accelerate example covers (c)
     ],
 )
-def test_trainer_load_time_fsdp2_fails_without_the_patch_where_the_bug_exists(tmp_path, patch, bug, symptom):
+def test_trainer_load_time_fsdp2_fails_without_the_patch_where_the_bug_exists(tmp_path, patch, symptom):
     result = run_trainer_probe(tmp_path, {ck.ENV[patch]: "0"})
     output = result.stdout + result.stderr
-    if ck.UNPATCHED[bug] == ck.ex.REPRODUCES:
+    if ck.UNPATCHED[ck.ex.BUG_OF[patch]] == ck.ex.REPRODUCES:
         assert result.returncode != 0 and symptom in output, describe([result])
     else:  # this torch fixed it
         assert result.returncode == 0, describe([result])

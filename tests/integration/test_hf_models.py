@@ -63,7 +63,8 @@ def test_per_expert_modules_match_the_reference_with_the_plugin():
 def test_per_expert_modules_without_restore_unused_param_grads_move_the_unused_expert():
     result = torchrun(MOE, "--model", "switch_transformers",
                       env={ck.ENV["restore_unused_param_grads"]: "0"})
-    assert ck.UNPATCHED["d"] == ex.REPRODUCES  # every torch with the unused-param fill
+    # every torch with the unused-param fill
+    assert ck.UNPATCHED[ex.BUG_OF["restore_unused_param_grads"]] == ex.REPRODUCES
     reports = reports_of(result)
     assert result.returncode != 0, describe([result])
     text = problems_of(reports)
@@ -118,8 +119,9 @@ def test_vlm_text_only_micro_batches_match_the_reference_with_the_plugin():
 @pytest.mark.parametrize(
     "env, bug, symptom",
     [
-        (KILL_SWITCH, "a", "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"),
-        ({ck.ENV["uniform_reduce_dtype"]: "0"}, "c",
+        (KILL_SWITCH, ex.BUG_OF["accumulated_grad_guard"],
+         "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"),
+        ({ck.ENV["uniform_reduce_dtype"]: "0"}, ex.BUG_OF["uniform_reduce_dtype"],
          "AssertionError: FSDP reduce-scatter expects uniform gradient dtype"),
     ],
     ids=["plugin_off", "uniform_reduce_dtype_off"],

@@ -51,7 +51,7 @@ def our_bug_after_torch() -> None:
 
 @pytest.fixture(autouse=True)
 def fake_patches():
-    strict = _isolation._settings["strict"]  # another test may have activated with STRICT on
+    strict = _isolation.is_strict()  # another test may have activated with STRICT on
     _isolation.set_strict(False)
     _isolation.forget()
     for name in (NAME, OTHER):

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cases._common import full_grad_tensors, full_param_tensors, relative_diff
+
 DIM = 16
 ROWS = 4
 N_EXPERTS = 3
@@ -115,45 +117,6 @@ def shard(model: Net, ctx: Ctx, *, mixed: bool = True, offload: bool = False, co
     return model
 
 
-def full(tensor, device):
-    """A DTensor's full value on ``device`` (collective); CPU-offloaded shards are moved first."""
-    if not hasattr(tensor, "full_tensor"):
-        return tensor.detach().to(device)
-    local = tensor.to_local()
-    if local.device != device:
-        from torch.distributed.tensor import DTensor
-
-        tensor = DTensor.from_local(local.to(device), tensor.device_mesh, tensor.placements,
-                                    shape=tensor.shape, stride=tensor.stride())
-    return tensor.full_tensor().detach()
-
-
-def plain_names(model) -> dict[str, str]:
-    """Parameter name -> the name in an uncompiled model (``torch.compile`` adds ``_orig_mod.``)."""
-    return {name: name.replace("_orig_mod.", "") for name, _ in model.named_parameters()}
-
-
-def full_params(model, device) -> dict[str, Any]:
-    names = plain_names(model)
-    return {names[n]: full(p, device).float().clone() for n, p in model.named_parameters()}
-
-
-def full_grads(model, device) -> dict[str, Any]:
-    """Every gradient that exists, in full (collective: the ranks must agree on which exist)."""
-    names = plain_names(model)
-    return {names[n]: full(p.grad, device).float().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def max_diff(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, list[str]]:
-    """Largest ``max |got - ref| / max |ref|`` over the tensors, and the names only one side has."""
-    differ = sorted(set(got) ^ set(ref))
-    worst = 0.0
-    for name in set(got) & set(ref):
-        a, b = got[name].double().cpu(), ref[name].double().cpu()
-        worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)))
-    return worst, differ
-
-
 def reference_grads(params: dict[str, Any], plan: list[list[Micro]], device, mixed: bool, tower: bool):
     """One process: the same weights, every rank's micro-batches, FSDP2's arithmetic (bf16 compute
     and fp32 accumulation when ``mixed``), each rank's loss divided by the world size."""
@@ -181,7 +144,7 @@ def train(model, ctx: Ctx, plan: list[list[Micro]], steps: int, *, fill: bool, m
     micros = plan[ctx.rank]
     out: dict[str, Any] = {"grads": [], "params": [], "losses": [], "worst": 0.0, "mismatched": []}
     for _ in range(steps):
-        out["params"].append(full_params(model, ctx.device))
+        out["params"].append(full_param_tensors(model, ctx.device))
         total = 0.0
         for index, micro in enumerate(micros):
             model.set_requires_gradient_sync(index == len(micros) - 1)
@@ -189,16 +152,17 @@ def train(model, ctx: Ctx, plan: list[list[Micro]], steps: int, *, fill: bool, m
             loss.backward()
             total += float(loss.detach())
         out["losses"].append(total)
-        out["grads"].append(full_grads(model, ctx.device))
+        out["grads"].append(full_grad_tensors(model, ctx.device))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    out["final"] = full_params(model, ctx.device)
+    out["final"] = full_param_tensors(model, ctx.device)
     if reference and ctx.rank == 0:
         for params, grads in zip(out["params"], out["grads"]):
             ref = reference_grads(params, plan, ctx.device, mixed, tower)
-            worst, differ = max_diff(grads, ref)  # differ: a gradient only one side has
-            out["worst"] = max(out["worst"], worst)
-            out["mismatched"] += [n for n in differ if n not in out["mismatched"]]
+            # a gradient only one side has (None on the other) is named, not counted in the worst
+            both = set(grads) & set(ref)
+            out["worst"] = max([out["worst"], *(relative_diff(grads[n], ref[n]) for n in both)])
+            out["mismatched"] += [n for n in sorted(set(grads) ^ set(ref)) if n not in out["mismatched"]]
     return out
 
 

@@ -66,18 +66,48 @@ def listed(tensors: dict[str, Any]) -> dict[str, Any]:
     return {name: t.detach().float().cpu().tolist() for name, t in tensors.items()}
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+# The full-value contract of the wheel (the cases, the demo, the GPU check): gathered in full, fp32,
+# by the parameter's uncompiled name; a ``None`` gradient is left out (never a zero), and what a missing
+# one means is each caller's to say: :func:`max_diff` counts it as a difference.
+
+
+def full(tensor, device=None):
+    """A DTensor's full value, detached (a collective: every rank calls it); a plain tensor as it is.
+    On ``device`` when given: CPU-offloaded shards move there first, to gather on its backend."""
+    if not hasattr(tensor, "full_tensor"):
+        return tensor.detach() if device is None else tensor.detach().to(device)
+    local = tensor.to_local()
+    if device is not None and local.device != device:
+        from torch.distributed.tensor import DTensor
+
+        tensor = DTensor.from_local(local.to(device), tensor.device_mesh, tensor.placements,
+                                    shape=tensor.shape, stride=tensor.stride())
+    return tensor.full_tensor().detach()
+
+
+def _uncompiled(name: str) -> str:
+    return name.replace("_orig_mod.", "")  # what torch.compile's wrapper adds to the names
+
+
+def full_param_tensors(model, device=None) -> dict[str, Any]:
+    """Every parameter in full, fp32 (a collective)."""
+    return {_uncompiled(n): full(p, device).float().clone() for n, p in model.named_parameters()}
+
+
+def full_grad_tensors(model, device=None) -> dict[str, Any]:
+    """Every gradient that exists, in full, fp32 (a collective: the ranks must agree on which exist)."""
+    return {_uncompiled(n): full(p.grad, device).float().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
 
 
 def full_grads(model) -> dict[str, Any]:
-    """The unsharded gradients as lists (a collective: every rank calls it); a ``None`` grad is left out."""
-    return listed({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    """:func:`full_grad_tensors` as lists (a JSON value)."""
+    return listed(full_grad_tensors(model))
 
 
 def full_params(model) -> dict[str, Any]:
-    """The unsharded weights as lists (a collective: every rank calls it)."""
-    return listed({n: _full(p) for n, p in model.named_parameters()})
+    """:func:`full_param_tensors` as lists (a JSON value)."""
+    return listed(full_param_tensors(model))
 
 
 def one_process_grads(build: Callable[[], Any], loss_of: Callable, world_size: int) -> dict[str, Any]:
@@ -102,17 +132,20 @@ def sgd_steps(model, steps: int, lr: float, world_size: int) -> Any:
     return model
 
 
-def max_diff(got: dict[str, Any], ref: dict[str, Any]) -> float:
-    """Largest ``max |got - ref| / max |ref|`` over the tensors or lists (inf if the names differ)."""
+def relative_diff(got: Any, ref: Any) -> float:
+    """``max |got - ref| / max |ref|`` of one tensor or list, in fp32 (an all-zero ``ref``: / 1e-12)."""
     import torch
 
+    g, r = torch.as_tensor(got).float(), torch.as_tensor(ref).float()
+    return float((g - r).abs().max() / r.abs().max().clamp_min(1e-12))
+
+
+def max_diff(got: dict[str, Any], ref: dict[str, Any]) -> float:
+    """Largest :func:`relative_diff` over the tensors or lists; inf if the names differ (a gradient
+    one side has and the other has not, ``None`` there, is a difference)."""
     if set(got) != set(ref):
         return float("inf")
-    diffs = [0.0]
-    for name in ref:
-        g, r = torch.as_tensor(got[name]).float(), torch.as_tensor(ref[name]).float()
-        diffs.append(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)))
-    return max(diffs)
+    return max([0.0, *(relative_diff(got[name], ref[name]) for name in ref)])
 
 
 def judge_against_reference(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]:

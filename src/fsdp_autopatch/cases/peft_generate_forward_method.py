@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import fsdp_api, judge_against_reference, listed, sum_reduction
+from ._common import fsdp_api, full, judge_against_reference, listed, sum_reduction
 
 WORLD_SIZE = 2
 NEEDS = ("peft", "transformers")
@@ -83,10 +83,6 @@ def trainable(peft_model) -> dict[str, Any]:
     return {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def shard(peft_model, mesh) -> None:
     """Each decoder layer a unit, then the PeftModel (the root: embedding, final norm, LM head)."""
     _, _, fully_shard = fsdp_api()
@@ -104,12 +100,12 @@ def train(sharded, rank: int, world_size: int, device: str = "cpu", before: bool
     optimizer = torch.optim.SGD(list(trainable(sharded).values()), lr=LR)
     ids = {"generate.before": generate(sharded, device)} if before else {}  # FSDP2's lazy init has not run
     loss(sharded, batch(rank, device)).backward()
-    grads = listed({name: _full(p.grad) for name, p in trainable(sharded).items() if p.grad is not None})
+    grads = listed({name: full(p.grad) for name, p in trainable(sharded).items() if p.grad is not None})
     optimizer.step()
     optimizer.zero_grad()
     if after:
         ids["generate.after"] = generate(sharded, device)
-    params = listed({name: _full(p) for name, p in trainable(sharded).items()})
+    params = listed({name: full(p) for name, p in trainable(sharded).items()})
     return {"grads": grads, "params": {**params, **ids}}
 
 

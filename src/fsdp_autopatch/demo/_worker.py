@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..cases._common import full_grad_tensors, full_param_tensors
 from ._checks import check_gradients, check_loss, check_unused_expert
 from ._model import (
     LR,
@@ -108,13 +109,9 @@ def _enable_fill(model, scenario: Scenario) -> str:
     return "on"
 
 
-def _gather_params(model) -> dict[str, Any]:
-    """Full fp32 copies of all parameters (collective: every rank calls it)."""
-    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-
-
 def _gather_grads(model) -> dict[str, Any]:
-    """Full gradients of the parameters that have one (collective: every rank calls it)."""
+    """Full gradients of the parameters that have one (collective: every rank calls it); a ``None``
+    gradient is left out, once the ranks agree on which are ``None`` (else: RuntimeError)."""
     import torch
     import torch.distributed as dist
 
@@ -127,11 +124,7 @@ def _gather_grads(model) -> dict[str, Any]:
     if not torch.equal(anywhere, everywhere):
         names = [n for (n, _), a, e in zip(model.named_parameters(), anywhere, everywhere) if a != e]
         raise RuntimeError(f"ranks disagree on which parameters have a gradient: {names}")
-    return {
-        name: p.grad.full_tensor().detach().clone()
-        for name, p in model.named_parameters()
-        if p.grad is not None
-    }
+    return full_grad_tensors(model)
 
 
 def _train(model, rank: int, progress: Progress) -> dict[str, Any]:
@@ -142,7 +135,7 @@ def _train(model, rank: int, progress: Progress) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses, params_per_step, grads_per_step = [], [], []
     for step in range(1, STEPS + 1):
-        params_per_step.append(_gather_params(model))
+        params_per_step.append(full_param_tensors(model))
         step_loss = torch.zeros(())
         for micro in range(MICRO_BATCHES):
             last = micro == MICRO_BATCHES - 1
@@ -163,7 +156,7 @@ def _train(model, rank: int, progress: Progress) -> dict[str, Any]:
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / (WORLD_SIZE * MICRO_BATCHES))
     progress.at("gathering final weights")
-    final_params = _gather_params(model)
+    final_params = full_param_tensors(model)
     return {"losses": losses, "params": params_per_step, "grads": grads_per_step, "final": final_params}
 
 

@@ -21,8 +21,8 @@ What
     to name the ranks and patches that differ.
 
 Errors
-    ``RuntimeError`` on every rank of the group, from the first forward (every group's findings
-    in one error when several groups differ, e.g. an HSDP shard group and a replicate group):
+    ``CrossRankMismatch`` (a ``RuntimeError``) on every rank of the group, from the first forward
+    (every group's findings in one error when several groups differ, e.g. HSDP's two groups):
     * "ranks disagree": lists each differing item (e.g. ``restore_unused_param_grads``) with the
       ranks on each side;
     * "never reported": ranks that did not reach the check within the store's timeout (which
@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 
 from .. import _compat, _isolation, _patching, _process
 from .._catalogue import BY_NAME, POLICY
+from .._events import CrossRankMismatch
 from .._registry import REGISTRY, PatchStatus
 from .._spec import Patch, Verdict, Wrap, needed
 
@@ -252,7 +253,7 @@ def _compare_all(comparisons: list[_Comparison]) -> None:
             disagreeing.append((comparison, peers))
     for comparison, peers in disagreeing:
         _wait_until_every_peer_has_read(comparison)
-        errors.append(RuntimeError(
+        errors.append(CrossRankMismatch(
             f"fsdp-autopatch cross-rank check: ranks disagree about the patches of process group "
             f"{_group_of(comparison)}, so they can issue different collectives: "
             f"{describe_differences(peers) or _UNNAMED_DIFFERENCE}. "
@@ -263,7 +264,7 @@ def _compare_all(comparisons: list[_Comparison]) -> None:
     if len(errors) == 1:
         raise _isolation.for_the_user(errors[0])
     if errors:
-        raise _isolation.for_the_user(RuntimeError("\n".join(str(error) for error in errors)))
+        raise _isolation.for_the_user(CrossRankMismatch("\n".join(str(error) for error in errors)))
 
 
 def _group_of(comparison: _Comparison) -> str:
@@ -313,7 +314,7 @@ def _peers_if_different(c: _Comparison) -> dict[int, dict[str, str]] | None:
         if not _is_timeout(error):
             raise _store_cannot("wait", error) from None
         silent = _silent_ranks(c)
-        raise RuntimeError(
+        raise CrossRankMismatch(
             f"fsdp-autopatch cross-rank check: {_ranks(silent)} of process group {_group_of(c)} "
             f"never reported their patches ({type(error).__name__}: {error}). fsdp-autopatch is probably not "
             "active there (FSDP_AUTOPATCH_ENABLED=0, not installed in that environment, or python -S), so those "

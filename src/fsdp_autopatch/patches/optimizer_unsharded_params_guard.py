@@ -156,7 +156,7 @@ def _arm_if_held(wrapped, optimizer, args, kwargs):
 
 def is_active() -> bool:
     """Whether the hook checks optimizers: the patch is applied and did not fail at call time."""
-    return _patching.is_applied(NAME) and not _isolation.has_failed(NAME)
+    return _patching.in_force(NAME)
 
 
 def check_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:

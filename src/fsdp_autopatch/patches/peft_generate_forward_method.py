@@ -155,7 +155,7 @@ def install(module: Any, state: Any, generate: Any) -> None:
 
 def is_active() -> bool:
     """Whether the instance ``generate``s route: the patch is applied and did not fail at call time."""
-    return _patching.is_applied(NAME) and not _isolation.has_failed(NAME)
+    return _patching.in_force(NAME)
 
 
 def route(module: Any, state: Any) -> Any:

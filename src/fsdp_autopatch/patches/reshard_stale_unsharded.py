@@ -222,7 +222,7 @@ def _arm_if_kept(context: Any, groups: list[Any]) -> None:
 
 
 def is_active() -> bool:
-    return _patching.is_applied(NAME) and not _isolation.has_failed(NAME)
+    return _patching.in_force(NAME)
 
 
 def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -166,7 +166,7 @@ def unmanaged_in(optimizer: Any) -> tuple[Any, list[tuple[str, Any]]]:
 
 def is_active() -> bool:
     """Whether the hook checks optimizers: the patch is applied and did not fail at call time."""
-    return _patching.is_applied(NAME) and not _isolation.has_failed(NAME)
+    return _patching.in_force(NAME)
 
 
 def check_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
