@@ -146,7 +146,7 @@ def describe(found: list[tuple[Any, list[Any]]]) -> str:
 
 
 def is_active(name: str) -> bool:
-    return _patching.is_applied(name) and not _isolation.has_failed(name)
+    return _patching.in_force(name)
 
 
 def on_zero_grad(name: str, params: Iterable[Any], caller: str) -> None:
