@@ -319,3 +319,11 @@ def error_of(rank: RankResult, case: str) -> dict[str, str] | None:
     rec = rank.cases.get(case)
     assert rec is not None, f"rank {rank.rank} did not reach case {case!r}"
     return rec["error"]
+
+
+def assert_stopped_on_every_rank(run: RunResult, case: str, stop: str) -> list[dict[str, str]]:
+    """Every rank's ``case`` ended in a guard's ``GuardError`` whose message starts with ``stop``;
+    returns the ranks' errors."""
+    errors = [error_of(rank, case) for rank in run.ranks]
+    assert all(e is not None and e["type"] == "GuardError" and e["message"].startswith(stop) for e in errors), errors
+    return errors

@@ -34,8 +34,7 @@ def test_registry(patched):
 
 @pytest.mark.parametrize("variant", pw.STOPPED)
 def test_a_written_parameter_stops_every_rank(patched, variant):
-    errors = [ck.error_of(rank, variant) for rank in patched.ranks]
-    assert all(e is not None and e["type"] == "GuardError" and e["message"].startswith(STOP) for e in errors), errors
+    ck.assert_stopped_on_every_rank(patched, variant, STOP)
 
 
 @pytest.mark.parametrize("variant", pw.LET_THROUGH)
