@@ -70,7 +70,7 @@ CASES = {
         "post_forward_mesh_cache", _P + "post_forward_mesh_cache:SHARED.put", "_shared_post_forward_mesh",
         ("reshard_int",), where=_P + "post_forward_mesh_cache.SharedMeshes.put"),
     "grouped_module_reuse/before": Case(
-        "grouped_module_reuse", _P + "grouped_module_reuse:_remember", "cast_and_remember",
+        "grouped_module_reuse", _P + "grouped_module_reuse:_remember", "partial_and_remember",
         ("reuse_full", "reuse_mtp")),
     "grouped_module_reuse/after": Case(
         "grouped_module_reuse", _P + "grouped_module_reuse:_grad_nodes", "_hook_remembered_outputs",

@@ -195,8 +195,8 @@ def test_no_step_hook_until_a_group_holds_an_unsharded_parameter(applied, monkey
     fsdp_param = fake_fsdp_param(sharded, unsharded)
     guard.record(fsdp_param)
     optimizer = torch.optim.SGD([sharded], lr=0.1)
-    guard._arm_if_held(optimizer.add_param_group, optimizer, ({"params": [nn.Parameter(torch.ones(1))]},), {})
+    guard._arm_if_held(optimizer, [{"params": [nn.Parameter(torch.ones(1))]}])
     assert guard._hook["handle"] is None
-    guard._arm_if_held(optimizer.add_param_group, optimizer, ({"params": [unsharded]},), {})
+    guard._arm_if_held(optimizer, [{"params": [unsharded]}])
     assert guard._hook["handle"] is not None
     guard._hook["handle"].remove()

@@ -100,6 +100,6 @@ def test_no_step_hook_until_a_root_and_a_plain_trainable_parameter(fake_world, a
     _step(model, optimizer)  # the root recorded; every trainable parameter a DTensor
     assert guard._roots and guard._hook["handle"] is None
     plain = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # a plain trainable one: now both seen
-    guard._note_plain_trainable(plain.add_param_group, plain, ({"params": [nn.Parameter(torch.ones(1))]},), {})
+    guard._note_plain_trainable(plain, plain.param_groups)
     assert guard._hook["handle"] is not None
     guard._hook["handle"].remove()

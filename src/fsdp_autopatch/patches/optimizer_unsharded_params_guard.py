@@ -140,15 +140,30 @@ def _record_unsharded(wrapped, fsdp_param, args, kwargs):
     return result
 
 
-def _arm_if_held(wrapped, optimizer, args, kwargs):
-    """``Optimizer.add_param_group``: torch's, then the step hook if the group holds an unsharded
-    parameter ([Note: a step hook only where needed] in ``_isolation``)."""
+def _arm_for_added_group(wrapped, optimizer, args, kwargs):
+    """``Optimizer.add_param_group``: torch's, then the new group looked at."""
     result = wrapped(*args, **kwargs)
-    if _hook["handle"] is None and any(owner_of(param) is not None for param in optimizer.param_groups[-1]["params"]):
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
+    _arm_if_held(optimizer, optimizer.param_groups[-1:])
     return result
+
+
+def _arm_when_built(wrapped, optimizer, args, kwargs):
+    """``Optimizer.__init__``: torch's, then every group looked at (a subclass whose own
+    ``add_param_group`` does not call the base class's is seen here)."""
+    result = wrapped(*args, **kwargs)
+    _arm_if_held(optimizer, getattr(optimizer, "param_groups", ()))
+    return result
+
+
+def _arm_if_held(optimizer: Any, groups: Any) -> None:
+    """The step hook once a group holds an unsharded parameter ([Note: a step hook only where
+    needed] in ``_isolation``); a group added after the optimizer's first step is checked at the next."""
+    if any(owner_of(param) is not None for group in groups for param in group["params"]):
+        _checked.discard(optimizer)
+        if _hook["handle"] is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hook["handle"] = register_optimizer_step_pre_hook(_isolation.aside_while_compiling(check_before_step))
 
 
 # --- the check ---------------------------------------------------------------------------------
@@ -222,7 +237,8 @@ PATCH = Patch(
     check=_structural_check,
     targets=(
         Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_param:FSDPParam.init_unsharded_param", _record_unsharded),
-        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _arm_if_held),
+        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _arm_for_added_group),
+        Wrap("torch.optim.optimizer:Optimizer.__init__", _arm_when_built),
     ),
     changes="each optimizer's first step checks that it holds no FSDP2 unsharded parameter",
     kind=GUARD,

@@ -72,6 +72,7 @@ NAME = "unmanaged_trainable_params_guard"
 _MAX_NAMED = 4  # the error names the first few parameters
 _roots: list[tuple[Any, Any]] = []  # (weakref to the root module, weakref to its FSDPState)
 _checked: Any = weakref.WeakSet()  # optimizers whose first step was checked and found right
+_behind_own_hooks: Any = weakref.WeakSet()  # optimizers checked by a hook of their own, after theirs
 _hook: dict[str, Any] = {"handle": None, "plain_trainable": False}
 
 
@@ -108,16 +109,28 @@ def _record_root(wrapped, state, args, kwargs):
     return result
 
 
-def _note_plain_trainable(wrapped, optimizer, args, kwargs):
-    """``Optimizer.add_param_group``: torch's, then note a trainable parameter that is no DTensor
-    (what an unmanaged one is; FSDP2's sharded parameters are DTensors)."""
+def _note_added_group(wrapped, optimizer, args, kwargs):
+    """``Optimizer.add_param_group``: torch's, then the new group's parameters noted."""
     result = wrapped(*args, **kwargs)
-    if not _hook["plain_trainable"] and any(
-        param.requires_grad and not hasattr(param, "placements") for param in optimizer.param_groups[-1]["params"]
-    ):
+    _note_plain_trainable(optimizer, optimizer.param_groups[-1:])
+    return result
+
+
+def _note_built(wrapped, optimizer, args, kwargs):
+    """``Optimizer.__init__``: torch's, then every group noted (a subclass whose own
+    ``add_param_group`` does not call the base class's is seen here)."""
+    result = wrapped(*args, **kwargs)
+    _note_plain_trainable(optimizer, getattr(optimizer, "param_groups", ()))
+    return result
+
+
+def _note_plain_trainable(optimizer: Any, groups: Any) -> None:
+    """A trainable parameter that is no DTensor (what an unmanaged one is; FSDP2's sharded
+    parameters are DTensors) arms the hook; a group added after the first step is checked at the next."""
+    if any(param.requires_grad and not hasattr(param, "placements") for group in groups for param in group["params"]):
+        _checked.discard(optimizer)
         _hook["plain_trainable"] = True
         _arm_when_both_seen()
-    return result
 
 
 def _arm_when_both_seen() -> None:
@@ -170,10 +183,30 @@ def is_active() -> bool:
 
 
 def check_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """The global optimizer step pre-hook: torch calls it before every ``step()``."""
+    """The global optimizer step pre-hook: torch calls it before every ``step()``, and before the
+    optimizer's own step pre-hooks. Where it has some (a user's gradient sync may be one), the check
+    moves behind them: one hook of this optimizer's, appended now (torch has not started on its own
+    hooks yet), compares what the step will really use."""
     if optimizer in _checked or not is_active():
         return None
-    _isolation.isolated(NAME, check_optimizer, optimizer)
+    own_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    if own_hooks and optimizer not in _behind_own_hooks:
+        try:
+            _behind_own_hooks.add(optimizer)
+        except TypeError:  # cannot be weakly referenced: checked here, before its own hooks
+            pass
+        else:
+            optimizer.register_step_pre_hook(_isolation.aside_while_compiling(check_after_own_hooks))
+            return None
+    if optimizer not in _behind_own_hooks:
+        _isolation.isolated(NAME, check_optimizer, optimizer)
+    return None
+
+
+def check_after_own_hooks(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The check, as the last of this optimizer's step pre-hooks (then one ``WeakSet`` test per step)."""
+    if optimizer not in _checked and is_active():
+        _isolation.isolated(NAME, check_optimizer, optimizer)
     return None
 
 
@@ -298,7 +331,8 @@ PATCH = Patch(
     check=_structural_check,
     targets=(
         Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState._lazy_init", _record_root),
-        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _note_plain_trainable),
+        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _note_added_group),
+        Wrap("torch.optim.optimizer:Optimizer.__init__", _note_built),
     ),
     changes="each optimizer's first step compares its unmanaged trainable parameters across the data-parallel ranks",
     kind=GUARD,
