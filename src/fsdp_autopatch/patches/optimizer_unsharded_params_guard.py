@@ -32,8 +32,8 @@ The guard
       unsharded parameter (``id -> (weakref(param), weakref(FSDPParam))``; not a
       ``WeakKeyDictionary``: its lookups compare tensors with ``==``). Later unshards reuse the
       object: one dict lookup and one identity test per call;
-    * a wrapper of ``Optimizer.add_param_group`` (which ``Optimizer.__init__`` calls per group)
-      installs, the first time a group holds a recorded unsharded parameter, ONE global optimizer
+    * wrappers of ``Optimizer.__init__`` and ``Optimizer.add_param_group`` install, the first
+      time a group holds a recorded unsharded parameter, ONE global optimizer
       step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``), kept for the
       process ([Note: a step hook only where needed] in ``_isolation``). The first
       ``step()`` of each optimizer (then a ``WeakSet`` membership test per step) looks every

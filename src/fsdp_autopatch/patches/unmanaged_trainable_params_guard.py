@@ -27,11 +27,12 @@ Needed here?
 
 The guard
     * a wrapper of ``FSDPState._lazy_init`` records, after torch's method, each root (weak references
-      to its module and state): no collective, no scan. A wrapper of ``Optimizer.add_param_group``
-      notes an optimizer that holds a trainable parameter that is no DTensor. Once both were seen,
+      to its module and state): no collective, no scan. Wrappers of ``Optimizer.__init__`` and
+      ``add_param_group`` note an optimizer that holds a trainable parameter that is no DTensor. Once both were seen,
       ONE global optimizer step pre-hook is installed, kept for the process (as
       ``optimizer_unsharded_params_guard`` does; [Note: a step hook only where needed] in ``_isolation``);
-    * at the first ``step()`` of each optimizer (then one ``WeakSet`` test per step), the trainable
+    * at the first ``step()`` of each optimizer, after its own step pre-hooks (a user's gradient
+      sync may be one: the check is appended to them), then one ``WeakSet`` test per step, the trainable
       parameters it holds that lie in a recorded root's module tree and are no FSDPParam's sharded
       parameter are the unmanaged ones: found then, so an adapter added after the first forward is
       seen too; a DTensor is not one of them (a layout of its own: tensor or expert parallelism).
