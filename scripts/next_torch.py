@@ -35,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 import matrix  # the same pytest runner and junit reading as the release matrix
@@ -202,6 +204,19 @@ def unused_files(overlay: Path | None, probed: dict) -> list[str]:
 # --- the suites ----------------------------------------------------------------------------------
 
 
+def skip_reasons(junit: Path) -> list[str]:
+    """Each distinct skip message, with how many tests gave it: on the new FSDP2 a skip is evidence too
+    (a case skipped because its patch is ``unsupported`` there says what the bug did without it)."""
+    if not junit.exists():
+        return []
+    messages = Counter(
+        (skipped.get("message") or "").splitlines()[0][:300] if skipped.get("message") else "no reason given"
+        for case in ET.parse(junit).getroot().iter("testcase")
+        if (skipped := case.find("skipped")) is not None
+    )
+    return [f"{count} x {message}" for message, count in messages.most_common()]
+
+
 def run_suite(name: str, python: str, env: dict[str, str], logs: Path, timeout: float) -> dict:
     """One pytest run with the overlay: counts and failures from its junit report."""
     junit = logs / f"{name}-junit.xml"
@@ -211,7 +226,7 @@ def run_suite(name: str, python: str, env: dict[str, str], logs: Path, timeout: 
     cmd = [python, "-m", "pytest", *SUITES[name], "-q", "-p", "no:cacheprovider",
            f"--junitxml={junit}", "-o", "junit_logging=no"]
     code = matrix.run(cmd, log_file=log_file, timeout=timeout, cwd=ROOT, env=env)
-    return {"exit": code, "log": str(log_file), **matrix.junit_summary(junit)}
+    return {"exit": code, "log": str(log_file), **matrix.junit_summary(junit), "skips": skip_reasons(junit)}
 
 
 def describe_suite(name: str, result: dict, shown: int = 20) -> list[str]:
@@ -220,6 +235,7 @@ def describe_suite(name: str, result: dict, shown: int = 20) -> list[str]:
     lines += [f"  FAILED {failure}" for failure in result["failures"][:shown]]
     if len(result["failures"]) > shown:
         lines.append(f"  ... and {len(result['failures']) - shown} more (the log)")
+    lines += [f"  skipped: {reason}" for reason in result["skips"][:shown]]
     return lines
 
 

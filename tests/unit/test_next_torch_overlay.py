@@ -4,7 +4,7 @@ Each test builds a tiny overlay folder from the installed torch's own ``_fsdp_pa
 one visible edit, and runs the script's registry part (fresh interpreters, ``sys.executable``): the
 verdict that the edit changes is reported, an overlay that breaks FSDP2's import is reported with
 the overlay line it broke at, and ``--relabel`` changes the ``torch.__version__`` the plugin reads.
-About 25 s on 2 cores (three interpreters that import torch).
+About 25 s on 2 cores (three interpreters that import torch). And the suites' skips, by reason.
 """
 
 from __future__ import annotations
@@ -72,3 +72,16 @@ def test_an_overlay_that_breaks_the_fsdp2_import_is_reported_where_it_breaks(tmp
     lines = next_torch.describe_probe("with the overlay", probed)
     assert f"  the FSDP2 import FAILED: {failure['error']}" in lines
     assert next_torch.broken({"without": {}, "with": probed}, suites={})
+
+
+def test_the_suites_skips_are_reported_with_their_reasons(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="t" name="a"><skipped message="x is unsupported on this torch: RuntimeError"/></testcase>'
+        '<testcase classname="t" name="b"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="t" name="c"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="t" name="d"/>'
+        '</testsuite></testsuites>'
+    )
+    assert next_torch.skip_reasons(junit) == ["2 x needs CUDA", "1 x x is unsupported on this torch: RuntimeError"]
