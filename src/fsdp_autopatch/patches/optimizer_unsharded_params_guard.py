@@ -68,6 +68,7 @@ from typing import Any
 from .. import _compat, _events, _isolation, _patching
 from .._catalogue import GUARD
 from .._spec import Patch, Verdict, Wrap, needed, unsupported
+from ._optimizer_groups import group_targets
 
 NAME = "optimizer_unsharded_params_guard"
 _MAX_NAMED = 4  # the error names the first few parameters
@@ -137,21 +138,6 @@ def record(fsdp_param: Any) -> None:
 def _record_unsharded(wrapped, fsdp_param, args, kwargs):
     result = wrapped(*args, **kwargs)
     record(fsdp_param)
-    return result
-
-
-def _arm_for_added_group(wrapped, optimizer, args, kwargs):
-    """``Optimizer.add_param_group``: torch's, then the new group looked at."""
-    result = wrapped(*args, **kwargs)
-    _arm_if_held(optimizer, optimizer.param_groups[-1:])
-    return result
-
-
-def _arm_when_built(wrapped, optimizer, args, kwargs):
-    """``Optimizer.__init__``: torch's, then every group looked at (a subclass whose own
-    ``add_param_group`` does not call the base class's is seen here)."""
-    result = wrapped(*args, **kwargs)
-    _arm_if_held(optimizer, getattr(optimizer, "param_groups", ()))
     return result
 
 
@@ -237,8 +223,7 @@ PATCH = Patch(
     check=_structural_check,
     targets=(
         Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_param:FSDPParam.init_unsharded_param", _record_unsharded),
-        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _arm_for_added_group),
-        Wrap("torch.optim.optimizer:Optimizer.__init__", _arm_when_built),
+        *group_targets(_arm_if_held),
     ),
     changes="each optimizer's first step checks that it holds no FSDP2 unsharded parameter",
     kind=GUARD,

@@ -68,6 +68,7 @@ from typing import Any
 from .. import _compat, _events, _isolation, _patching
 from .._catalogue import GUARD
 from .._spec import Patch, Verdict, Wrap, needed, unsupported
+from ._optimizer_groups import group_targets
 
 NAME = "unmanaged_trainable_params_guard"
 _MAX_NAMED = 4  # the error names the first few parameters
@@ -107,21 +108,6 @@ def _record_root(wrapped, state, args, kwargs):
         if modules:
             _roots.append((weakref.ref(modules[0]), weakref.ref(state)))
         _arm_when_both_seen()
-    return result
-
-
-def _note_added_group(wrapped, optimizer, args, kwargs):
-    """``Optimizer.add_param_group``: torch's, then the new group's parameters noted."""
-    result = wrapped(*args, **kwargs)
-    _note_plain_trainable(optimizer, optimizer.param_groups[-1:])
-    return result
-
-
-def _note_built(wrapped, optimizer, args, kwargs):
-    """``Optimizer.__init__``: torch's, then every group noted (a subclass whose own
-    ``add_param_group`` does not call the base class's is seen here)."""
-    result = wrapped(*args, **kwargs)
-    _note_plain_trainable(optimizer, getattr(optimizer, "param_groups", ()))
     return result
 
 
@@ -332,8 +318,7 @@ PATCH = Patch(
     check=_structural_check,
     targets=(
         Wrap(f"{_compat.FSDP2_PACKAGE}._fsdp_state:FSDPState._lazy_init", _record_root),
-        Wrap("torch.optim.optimizer:Optimizer.add_param_group", _note_added_group),
-        Wrap("torch.optim.optimizer:Optimizer.__init__", _note_built),
+        *group_targets(_note_plain_trainable),
     ),
     changes="each optimizer's first step compares its unmanaged trainable parameters across the data-parallel ranks",
     kind=GUARD,
