@@ -26,7 +26,10 @@ GROUP_FILE = (
     Path(_TORCH.submodule_search_locations[0], "distributed", "fsdp", "_fully_shard", "_fsdp_param_group.py")
     if _TORCH is not None else None
 )
-pytestmark = pytest.mark.skipif(GROUP_FILE is None or not GROUP_FILE.is_file(), reason="needs torch with FSDP2")
+pytestmark = [
+    pytest.mark.skipif(GROUP_FILE is None or not GROUP_FILE.is_file(), reason="needs torch with FSDP2"),
+    pytest.mark.timeout(300),  # the outer bound over the probes' own timeouts
+]
 METHOD = "_init_mp_dtypes"  # what frozen_first_mp_dtypes's structural check looks for on FSDPParamGroup
 
 
