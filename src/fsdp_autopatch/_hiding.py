@@ -41,7 +41,7 @@ import sys
 import types
 from typing import Any, Callable
 
-from . import _isolation
+from . import _tracebacks
 from ._compat import names_read
 
 ALWAYS = "always"  # torch._dynamo.disable at every call
@@ -98,24 +98,7 @@ def hidden_replacement(original: Any, isolated_wrapper: Callable[..., Any], meth
     with torch's function itself as ``wrapped``. ``method``: a function on a class (bound per call)."""
     inner = unhidden(original)
     # torch's error passing through: one frame of ours above torch's, its line saying whose it is
-    if method:
-        def ours(instance, *args, **kwargs):
-            try:
-                return isolated_wrapper(inner.__get__(instance, type(instance)), instance, args, kwargs)
-            except Exception as error:
-                if not _isolation.raised_by_torch(error):
-                    raise
-                error = _isolation.as_torchs(error)  # its traceback from torch's frame on
-                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
-    else:
-        def ours(*args, **kwargs):
-            try:
-                return isolated_wrapper(inner, None, args, kwargs)
-            except Exception as error:
-                if not _isolation.raised_by_torch(error):
-                    raise
-                error = _isolation.as_torchs(error)  # its traceback from torch's frame on
-                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
+    ours = _tracebacks.plain_caller(inner, isolated_wrapper, method)
     functools.update_wrapper(ours, inner)  # the name a wrapper over it sees as ``wrapped.__name__``
 
     if hiding == DISABLED:

@@ -41,9 +41,7 @@ from . import _events
 from ._events import GuardError, fired
 from ._registry import CALL_TIME_FAILURE, REGISTRY
 from ._spec import CALL_AGAIN, TRACED
-from ._tracebacks import ORIGIN, as_torchs, raised_by_torch, tag
-
-__all__ = ["as_torchs", "raised_by_torch"]  # the outer layers of ours (``_patching``, ``_hiding``) use them
+from ._tracebacks import ORIGIN, as_torchs, tag
 
 logger = logging.getLogger("fsdp_autopatch")
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import wrapt
 
-from . import _hiding, _isolation
+from . import _hiding, _isolation, _tracebacks
 from ._registry import REGISTRY
 from ._spec import AS_TORCH, TRACED, Add, Patch, Wrap
 
@@ -65,26 +65,7 @@ def wrap(original: Any, wrapper: Callable[..., Any], proxy: bool = True, method:
         return wrapt.FunctionWrapper(original, wrapper)
 
     # torch's error passing through: one frame of ours above torch's, its line saying whose it is
-    if method:
-        @functools.wraps(original)
-        def replacement(instance, *args, **kwargs):
-            try:
-                return wrapper(original.__get__(instance, type(instance)), instance, args, kwargs)
-            except Exception as error:
-                if not _isolation.raised_by_torch(error):
-                    raise
-                error = _isolation.as_torchs(error)  # its traceback from torch's frame on
-                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
-    else:
-        @functools.wraps(original)
-        def replacement(*args, **kwargs):
-            try:
-                return wrapper(original, None, args, kwargs)
-            except Exception as error:
-                if not _isolation.raised_by_torch(error):
-                    raise
-                error = _isolation.as_torchs(error)  # its traceback from torch's frame on
-                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
+    replacement = functools.wraps(original)(_tracebacks.plain_caller(original, wrapper, method))
 
     # How a probe tells ours from torch's own functools.wraps decorators (both set __wrapped__).
     replacement.__fsdp_autopatch_replacement__ = True

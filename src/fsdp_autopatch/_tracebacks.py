@@ -52,3 +52,30 @@ def _calls_torch(frame: Any) -> bool:
 def _is_ours(frame: Any) -> bool:
     module = frame.f_globals.get("__name__", "")
     return module == _PACKAGE or module.startswith(_PACKAGE + ".")
+
+
+def plain_caller(function: Any, wrapper: Any, method: bool) -> Any:
+    """A plain function that calls ``wrapper`` (wrapt's signature) with ``function`` as ``wrapped``
+    (bound to the instance per call where ``method``), and lets torch's own error out from this one
+    frame, its traceback starting at torch's (:func:`as_torchs`). The caller names it
+    (``functools.wraps``): ``_patching``'s plain replacement, ``_hiding``'s hidden one."""
+    if method:
+        def replacement(instance, *args, **kwargs):
+            try:
+                return wrapper(function.__get__(instance, type(instance)), instance, args, kwargs)
+            except Exception as error:
+                if not raised_by_torch(error):
+                    raise
+                error = as_torchs(error)  # its traceback from torch's frame on
+                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
+        return replacement
+
+    def replacement(*args, **kwargs):
+        try:
+            return wrapper(function, None, args, kwargs)
+        except Exception as error:
+            if not raised_by_torch(error):
+                raise
+            error = as_torchs(error)  # its traceback from torch's frame on
+            raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
+    return replacement
