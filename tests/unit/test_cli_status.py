@@ -40,6 +40,12 @@ def _width(text: str) -> int:
     return max(len(line) for line in text.splitlines())
 
 
+def _too_wide(text: str, columns: int) -> list[str]:
+    """The lines wider than ``columns``, except a line that is one word after its indent: a path
+    or a module name is never split, so a long one (a venv deep in a CI checkout) stays whole."""
+    return [line for line in text.splitlines() if len(line) > columns and len(line.split()) > 1]
+
+
 @pytest.fixture(scope="module")
 def real_output():
     """``status``, ``status -v`` and ``status uniform_reduce_dtype`` on the real registry."""
@@ -113,18 +119,23 @@ def test_verbose_format_wraps_under_the_reason_column():
 
 
 @pytest.mark.parametrize("columns", [80, 100, 120])
-def test_verbose_status_and_doctor_fit_the_terminal(monkeypatch, columns):
+def test_verbose_status_and_doctor_fit_the_terminal(monkeypatch, tmp_path, columns):
     """``status -v`` and ``doctor`` wrap at the terminal's width (``COLUMNS``, as ``shutil`` reads
     it), continuation lines indented, every word kept; ``--json`` is not wrapped."""
-    from fsdp_autopatch import _doctor
+    from fsdp_autopatch import _doctor, _process
 
     monkeypatch.setenv("COLUMNS", str(columns))
+    # site-packages as deep as a CI checkout's throwaway venv: its path, wider than 80 columns, stays whole
+    site = tmp_path / "work/main/.artifacts/matrix-ci/venv-2.15/lib/python3.11/site-packages"
+    site.mkdir(parents=True)
+    (site / _doctor.PTH_NAME).write_text(_process.BOOTSTRAP, encoding="utf-8")
+    monkeypatch.setattr(_doctor, "site_directories", lambda: [str(site)])
     report = _cli.REGISTRY.snapshot()
     verbose = _cli.format_table(report)
     findings = _doctor.diagnose()
     doctor = _doctor.format_findings(findings, protected=True)
     for text in (verbose, doctor, _cli.format_summary(report)):
-        assert _width(text) <= columns, text
+        assert not _too_wide(text, columns), text
     for finding in findings:  # wrapping drops no word
         assert " ".join(finding.message.split()) in " ".join(doctor.split())
     for line in verbose.splitlines()[3:]:  # every continuation line starts with spaces
