@@ -239,7 +239,11 @@ def isolate(patch_name: str, wrapper: Callable[..., Any], binder: Binder, after_
 
     def isolated_wrapper(wrapped, instance, args, kwargs):
         if patch_name in _failed or retired:
-            return wrapped(*args, **kwargs)  # torch's own code raised below: fsdp-autopatch ran it unchanged
+            try:
+                return wrapped(*args, **kwargs)
+            except Exception as error:
+                error = as_torchs(error)  # its traceback from torch's frame on
+                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
         if compiling():  # Dynamo traces this call: aside, or traced without try/except around user code
             if not traced:
                 return wrapped(*args, **kwargs)

@@ -75,6 +75,24 @@ def test_a_torch_error_shows_at_most_one_frame_of_ours_saying_whose_it_is(kind):
     assert not _isolation.has_failed(f"test_torch_error_{kind}")  # torch's error is not the patch's failure
 
 
+@pytest.mark.parametrize("state", ["failed", "reverted"])
+def test_a_wrapper_that_steps_aside_shows_one_frame_too(kind, state):
+    """A patch that failed passes every call to torch; a reverted wrapper that a framework still
+    holds does the same: torch's error then shows the same single frame of ours."""
+    name = f"test_torch_error_{kind}"
+    held = Torch.__dict__[kind]
+    if state == "failed":
+        _isolation.record_failure(name, RuntimeError("the patch broke"), __name__)
+    else:
+        _patching.revert(name)
+    with pytest.raises(ValueError, match="torch's error") as raised:
+        held(Torch(), 1) if state == "reverted" else getattr(Torch(), kind)(1)
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert frames[-1].name == kind  # torch's frame raised it
+    ours = [frame for frame in frames if OURS in frame.filename]
+    assert len(ours) <= 1 and all(SAYS in frame.line for frame in ours), traceback.format_list(frames)
+
+
 def test_an_error_of_ours_keeps_its_frames():
     """Only torch's errors lose our frames: a guard's error (raised in our code) keeps them all."""
 
