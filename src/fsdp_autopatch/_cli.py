@@ -21,7 +21,6 @@ from typing import Any
 from . import _catalogue, _hook, _process, patches
 from ._columns import shorten, table, terminal_width, wrap
 from ._config import KILL_SWITCH, PREFIX
-from ._process import HOOK_TARGET
 from ._registry import REGISTRY, PatchRecord, PatchStatus, PolicyRecord, StatusReport
 from ._version import __version__
 
@@ -48,8 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._gpu_check import _main
 
         return _main.run(args)
-    parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse catches it
-    return 2
+    parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse catches it (error exits 2)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -135,15 +133,9 @@ def _status_of_one(report: StatusReport, name: str, as_json: bool, parser: argpa
 
 def _import_fsdp2() -> None:
     """Import torch's FSDP2 so that the answer is the real one, not "pending"."""
-    try:
-        import torch.distributed.fsdp  # noqa: F401
-    except Exception as error:
-        _mark_pending_unsupported(f"torch.distributed.fsdp could not be imported ({type(error).__name__}: {error})")
-        return
-    if HOOK_TARGET not in sys.modules:
-        _mark_pending_unsupported(f"this torch has no {HOOK_TARGET} (FSDP2 needs torch >= 2.6)")
-        return
-    _hook.import_waited_for()
+    why_not = _hook.import_fsdp2()
+    if why_not is not None:
+        _mark_pending_unsupported(why_not)
 
 
 def _mark_pending_unsupported(reason: str) -> None:
