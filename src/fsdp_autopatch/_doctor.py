@@ -17,14 +17,14 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from . import _hook, _process
 from ._catalogue import PATCH_NAMES, POLICIES
 from ._columns import terminal_width, wrap
 from ._config import CROSS_RANK_CHECK, DISABLED_LIST, KILL_SWITCH, PREFIX, THIRD_PARTY, ConfigWarning, read_settings
 from ._process import HOOK_TARGET
-from ._registry import REGISTRY, PatchStatus
+from ._registry import REGISTRY, PatchRecord, PatchStatus, StatusReport
 
 PTH_NAME = "fsdp_autopatch.pth"
 START_NAME = "fsdp_autopatch.start"
@@ -245,7 +245,7 @@ def _torch_and_patches() -> list[Finding]:
     return findings
 
 
-def _patch_finding(record: Any) -> Finding:
+def _patch_finding(record: PatchRecord) -> Finding:
     finding = _patch_finding_of_status(record)
     if record.provider:  # a patch another distribution declares: say whose, and whom to tell
         finding = finding._replace(message=f"{finding.message} [from {record.provider}]")
@@ -256,7 +256,7 @@ def _patch_finding(record: Any) -> Finding:
     return finding
 
 
-def _patch_finding_of_status(record: Any) -> Finding:
+def _patch_finding_of_status(record: PatchRecord) -> Finding:
     status = record.status
     if status is PatchStatus.APPLIED and not record.in_force:
         # someone else's monkey-patch replaced ours after us and does not call ours
@@ -293,7 +293,7 @@ def _patch_finding_of_status(record: Any) -> Finding:
     return Finding(record.name, PROBLEM, f"{status.value}: {record.reason}", "see the bootstrap finding above")
 
 
-def _policy_findings(report: Any) -> list[Finding]:
+def _policy_findings(report: StatusReport) -> list[Finding]:
     """A policy that was switched on but is not in force; a third-party discovery that failed."""
     findings = [
         Finding(f"policy {record.name}", WARNING, record.description, "report this with `fsdp-autopatch doctor --json`")
@@ -311,7 +311,7 @@ def _policy_findings(report: Any) -> list[Finding]:
 _KILL_SWITCH_ACTION = f"unset {KILL_SWITCH} (it turns every patch off)"
 
 
-def _how_to_enable(record: Any) -> str:
+def _how_to_enable(record: PatchRecord) -> str:
     """The variable that really switched this patch off (the kill switch wins over the others)."""
     if record.variable == KILL_SWITCH:
         return _KILL_SWITCH_ACTION
