@@ -264,16 +264,17 @@ def all_param_groups(root_state: Any) -> list[Any]:
     return [group for state in root_state._state_ctx.all_states for group in state_param_groups(state)]
 
 
-def reduction_domain(group: Any) -> tuple[Any, ...]:
-    """The process groups a unit's gradients are reduced over: its shard group, plus the replicate
-    group under HSDP; groups of one rank are left out (nothing to reduce with)."""
+def mesh_process_groups(group: Any) -> tuple[Any, ...]:
+    """A unit's process groups: its shard group, plus the replicate group under HSDP."""
     mesh_info = group.mesh_info
-    domain = []
-    for attribute in ("shard_process_group", "replicate_process_group"):
-        process_group = getattr(mesh_info, attribute, None)
-        if process_group is not None and process_group.size() > 1:
-            domain.append(process_group)
-    return tuple(domain)
+    found = (getattr(mesh_info, attribute, None) for attribute in ("shard_process_group", "replicate_process_group"))
+    return tuple(process_group for process_group in found if process_group is not None)
+
+
+def reduction_domain(group: Any) -> tuple[Any, ...]:
+    """The process groups a unit's gradients are reduced over (:func:`mesh_process_groups`); groups
+    of one rank are left out (nothing to reduce with)."""
+    return tuple(process_group for process_group in mesh_process_groups(group) if process_group.size() > 1)
 
 
 def unsharded_param(fsdp_param: Any) -> Any:

@@ -136,13 +136,8 @@ def check_after_lazy_init(wrapped, state, args, kwargs):
 def _process_groups(root_state: Any) -> list[Any]:
     """The process groups FSDP2 reduces over for this root: shard groups and HSDP replicate groups."""
     groups: list[Any] = []
-    for state in root_state._state_ctx.all_states:
-        for param_group in _compat.state_param_groups(state):
-            mesh_info = param_group.mesh_info
-            for attribute in ("shard_process_group", "replicate_process_group"):
-                group = getattr(mesh_info, attribute, None)
-                if group is not None and all(group is not g for g in groups):
-                    groups.append(group)
+    for param_group in _compat.all_param_groups(root_state):
+        groups += [group for group in _compat.mesh_process_groups(param_group) if all(group is not g for g in groups)]
     return groups
 
 
