@@ -1,21 +1,6 @@
 """accumulated_grad_guard: don't crash post-backward on a unit that never ran forward.
 
-The bug
-    FSDP2 creates ``FSDPParam._unsharded_param`` lazily, at a unit's first unshard (its first
-    forward). From torch 2.7 the root's final backward callback calls ``post_backward()`` on every
-    ``FSDPParamGroup`` that did not reach POST_BACKWARD, including a separately wrapped unit that
-    never ran forward, e.g. a vision tower on text-only micro-batches. With gradient sync off
-    (``set_requires_gradient_sync(False)``, i.e. gradient accumulation) and a
-    ``MixedPrecisionPolicy(reduce_dtype=...)`` set, that path calls
-    ``FSDPParam.to_accumulated_grad_if_needed``, which reads ``self._unsharded_param`` and raises::
-
-        AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'
-
-    Upstream: PyTorch PR 194058; also verl PR 7475, NeMo Automodel PR 2744.
-
-Torch versions
-    Crashes on 2.7 - 2.14 (latent on 2.6). torch 2.15 rewrote gradient accumulation around
-    ``Tensor.grad_dtype`` and removed ``to_accumulated_grad_if_needed``: not needed there.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/accumulated_grad_guard.md.
 
 Needed here?
     ``FSDPParam.to_accumulated_grad_if_needed`` exists and its bytecode reads ``_unsharded_param``
@@ -35,8 +20,6 @@ Call-time isolation
     Our code (one read of ``_unsharded_param``) runs before torch's method; should it raise, torch's
     method runs as without the patch (``_isolation``). A parameter a later torch adds is forwarded;
     the early return only takes the place of torch's ``AttributeError``.
-
-Disable with ``FSDP_AUTOPATCH_ACCUMULATED_GRAD_GUARD_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """cast_inputs_keep_containers: what a unit does to a list, dict or dataclass its caller passed
 reaches the caller, as without FSDP2.
 
-Symptom, trigger, torch versions and measurements: ``docs/patches/cast_inputs_keep_containers.md``.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/cast_inputs_keep_containers.md.
 
 Needed here?
     ``FSDPState._pre_forward(module, args, kwargs)`` and ``_post_forward(module, input, output)``
@@ -39,8 +39,6 @@ Call-time isolation
     (``KEEP_RESULT``: the copies, the bug's behaviour). The hand-back of leftovers before torch's
     ``_pre_forward`` falls back to torch's method. Hidden from Dynamo as torch's hooks are
     (``AS_TORCH``). No collective.
-
-Disable with ``FSDP_AUTOPATCH_CAST_INPUTS_KEEP_CONTAINERS_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """clip_grad_norm_cpu_offload: ``clip_grad_norm_`` with CPU-offloaded gradients on an NCCL-only group.
 
-The bug
-    With ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` FSDP2 keeps each sharded gradient on
-    the CPU: a DTensor on the unit's mesh (``device_type="cuda"``) whose local shard is a CPU tensor.
-    ``torch.nn.utils.clip_grad._get_total_norm`` takes each gradient's norm where it lives (a 0-dim
-    DTensor, ``_NormPartial(p)`` on the shard dimension), stacks them on the first gradient's device
-    and calls ``vector_norm`` on the stack; DTensor then reduces the partial norms: an
-    ``all_reduce`` of the stacked CPU tensor over the mesh's process group
-    (``Partial._reduce_value`` -> ``funcol.all_reduce``; torch 2.13: in ``_get_total_norm``'s
-    ``vector_norm``; where the total stays partial, at the first use of it, e.g. clipping's
-    ``total_norm + 1e-6``). c10d picks the group's backend by the tensor's device type, and a group
-    made by ``init_process_group("nccl")`` has a backend for ``cuda`` only, so every rank fails at
-    the first ``clip_grad_norm_``::
-
-        RuntimeError: No backend type associated with device type cpu
-
-    A mix of offloaded and on-device units fails the same way (torch's ``norm.to(first_device)``
-    of a partial norm reduces it where it is). Upstream: NeMo Automodel PR 3461, torchtune PR 2108,
-    axolotl issue 3058, verl's own ``fsdp2_clip_grad_norm_`` (each works around it in its own
-    loop, or with ``init_process_group("cpu:gloo,cuda:nccl")``); no PyTorch issue.
-
-Torch versions
-    ``_get_total_norm`` has the same code in 2.8 - 2.15 (``clip_grad_norm_multi_mesh``'s reading);
-    DTensor reduces a partial tensor where its local tensor lives and skips mesh dimensions of one
-    rank (``_redistribute``'s ``num_chunks == 1`` short cut), read in the 2.13 and 2.14.1 wheels.
-    Reproduced on torch 2.13 with a CPU stand-in (2 gloo ranks whose group has a backend for
-    ``cuda`` only: the same message); on CUDA with NCCL: read, not run.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/clip_grad_norm_cpu_offload.md.
 
 Needed here?
     ``clip_grad._get_total_norm`` has the parameters it reads, by name (tensors, norm_type,
@@ -72,8 +47,6 @@ Call-time isolation
     again with the caller's arguments (a pure function): the bug's error, as without the fix.
     Every rank of the mesh takes the same path (the same gradients' devices and meshes), so the
     collective is issued alike.
-
-Disable with ``FSDP_AUTOPATCH_CLIP_GRAD_NORM_CPU_OFFLOAD_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """clip_grad_norm_multi_mesh: ``clip_grad_norm_`` over gradients on several DeviceMeshes.
 
-The bug
-    ``torch.nn.utils.clip_grad._get_total_norm`` groups gradients by (device, dtype), takes one norm
-    per gradient and ``torch.stack``s them. FSDP2 makes every gradient a DTensor on its unit's mesh;
-    with parameters on different meshes over the same ranks (dense on ``("dp",)``, experts on
-    ``("edp",)``; an HSDP 2-D mesh next to a 1-D one) the stack fails on every rank::
-
-        RuntimeError: All operands in aten.stack.default must have the same mesh, but got
-        DeviceMesh((edp=2), 'cpu', stride=(1,)) and DeviceMesh((dp=2), 'cpu', stride=(1,)).
-
-    (torch 2.8: ``ValueError: All operands in aten.stack.default must have the same mesh, but got
-    DeviceMesh('cpu', [0, 1], mesh_dim_names=('edp',)) and DeviceMesh('cpu', [0, 1],
-    mesh_dim_names=('dp',)).``) Upstream: PyTorch issue 180346; PyTorch PR 180501 (closed, not
-    merged).
-
-Torch versions
-    Measured on 2 gloo ranks, every release 2.8 - 2.15 fails (2.9.1 words it ``Sharding propagation
-    failed for Op(op=aten.stack.default, ...)`` over operands on the two meshes). Read in the wheels:
-    ``_get_total_norm`` and ``_clip_grads_with_norm_`` have the same code in 2.8 - 2.15
-    (``clip_grad.py`` of 2.12 - 2.15 is one file; 2.8 - 2.11 differ in annotations and docstrings).
-    2.6 and 2.7 not read.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/clip_grad_norm_multi_mesh.md.
 
 Needed here?
     ``clip_grad._get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)`` and
@@ -45,12 +26,6 @@ The replacement
     Clipping runs torch's ``_clip_grads_with_norm_`` per group with that (plain) total. The total
     returned on this path is a plain tensor, the same on every rank.
 
-Why in an FSDP2 plugin
-    The input only exists because of FSDP2: ``fully_shard(experts, mesh=edp_mesh)`` and HSDP give
-    each unit's gradients their own mesh, and the training loop's ``clip_grad_norm_(model.parameters())``
-    is the step every FSDP2 recipe runs next. The patch is armed with the others when FSDP2 is
-    imported and changes nothing for one-mesh or non-DTensor inputs.
-
 Call-time isolation
     The arguments the wrappers read (``tensors``, ``norm_type``, ``error_if_nonfinite``;
     ``parameters``, ``total_norm``) are bound by name; every other one (``foreach``, PyTorch PR
@@ -60,8 +35,6 @@ Call-time isolation
     the clipping, every group is computed before torch scales the first, so nothing of ours runs
     between torch's calls. The ``full_tensor()`` of each group's norm is a collective over that
     group's mesh, issued in the same order on every rank.
-
-Disable with ``FSDP_AUTOPATCH_CLIP_GRAD_NORM_MULTI_MESH_ENABLED=0``.
 """
 
 from __future__ import annotations

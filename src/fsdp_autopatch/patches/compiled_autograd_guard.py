@@ -1,34 +1,6 @@
 """compiled_autograd_guard: stop a backward that runs FSDP2's hooks under compiled autograd.
 
-The bug
-    FSDP2's backward is eager machinery: ``FSDPState._pre_backward`` (a tensor hook on each unit's
-    forward outputs) unshards and queues the root's ``_root_post_backward_final_callback`` on the
-    eager autograd engine (``Variable._execution_engine.queue_callback``);
-    ``RegisterPostBackwardFunction`` calls ``FSDPParamGroup.post_backward`` (reshard and
-    reduce-scatter); the final callback runs the post-backward of every group whose hook did not
-    fire (a unit whose input needs no gradient) and resets the per-iteration state. Under compiled
-    autograd (``torch._dynamo.compiled_autograd._enable(...)`` around ``backward()``, or
-    ``torch._dynamo.config.compiled_autograd = True`` with the backward inside a compiled
-    function) the backward is a graph run from Python by the compiled-autograd runtime wrapper:
-    the engine's queued callback never runs, FSDP2's state stays mid-backward, and the later
-    backwards reduce nothing. No error: the ranks' shards train on their own local gradients, or
-    not at all (2 gloo ranks, 3 SGD steps: one reduce-scatter instead of six, the first layer never
-    moves, the weights end up away from eager FSDP2's; torch 2.15 with bf16 parameters and fp32
-    reduce raises its own ``grad_dtype`` RuntimeError instead, at compiled autograd's capture,
-    before any FSDP2 hook runs: the guard is not reached there, the run stops anyway).
-    Upstream: torchtitan issue 1708 ("FSDP + compiled autograd", closed, untested there);
-    PyTorch PRs 174863 and 174906 removed FSDP2's dynamo and compiled-autograd paths
-    (``compiled_autograd_enabled()``); NeMo Automodel's ``compiled_autograd_active()`` steps aside
-    in the same situation. No fix short of a traceable FSDP2: this is a guard.
-
-Torch versions
-    2.13 and 2.15 measured (no compiled-autograd path left in FSDP2); 2.14 read (the same); 2.12
-    read, not run (after PyTorch PR 174906). 2.6 - 2.11: FSDP2 has its own compiled-autograd path
-    there, chosen by ``_fsdp_common.compiled_autograd_enabled()``; measured on 2.8 (matrix,
-    2026-12-02), compiled autograd around ``backward()`` makes torch raise itself ("queue_callback()
-    is only supported when Compiled Autograd is enabled with fullgraph=True"): the run stops, nothing
-    trains silently wrong, so the guard is not needed there (2.9 - 2.11 read, not run). Any dtype,
-    shape, mesh: the trigger is compiled autograd itself.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/compiled_autograd_guard.md.
 
 Needed here?
     The root's ``_register_root_post_backward_final_callback`` queues its callback on the eager
@@ -59,9 +31,6 @@ The guard
 Call-time isolation
     Our check runs before torch's method: should it raise anything but the guard's error, torch's
     method runs as without the patch. Nothing here is collective.
-
-Disable with ``FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED=0`` (the run then trains as torch
-would: silently wrong).
 """
 
 from __future__ import annotations

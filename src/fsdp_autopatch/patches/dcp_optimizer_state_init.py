@@ -1,36 +1,6 @@
 """dcp_optimizer_state_init: DCP's optimizer state template without a dummy step.
 
-The bug
-    ``torch.distributed.checkpoint.state_dict`` (``get_state_dict``, ``get_optimizer_state_dict``,
-    ``set_state_dict``, ``set_optimizer_state_dict``) first calls ``_init_optim_state(optim)``:
-    if the optimizer has any state it returns; otherwise it sets every trainable parameter's
-    gradient to zeros and runs a dummy ``optim.step()`` with ``lr`` 0. Two silent failures and a
-    crash follow:
-
-    * a trainable parameter that never had a gradient before the checkpoint (an unused expert, a
-      MoE gate, a text-only run's vision tower, a no-grad indexer; any parameter the unused-param
-      fill leaves at ``grad is None``) has no optimizer state, so the checkpoint has no entry for
-      it, while the fresh optimizer at resume, whose state is empty, runs the dummy step over every
-      parameter and expects one::
-
-          CheckpointException ... RuntimeError: Missing key in checkpoint state_dict:
-          optim.state.spare.weight.step.
-
-      (PyTorch issue 192202, open; worked around by hand in NeMo Automodel PRs 2071 and 2779,
-      prime-rl PRs 2800 and 3399, xtuner PR 2018.)
-    * a checkpoint taken before the first ``optimizer.step()`` (step 0) records the dummy step:
-      Adam's ``step`` is 1, so the first real AdamW update is 0.745x its size (Adam with coupled
-      L2 weight decay: 0.80x, the dummy step put ``wd * p`` into the moments; SGD with momentum and
-      weight decay: 1.04x, a momentum buffer of ``wd * p``). PyTorch issue 164929, open;
-      torchtitan PR 4382, Megatron-LM PR 5976 and UniRL PR 440 undo it by hand.
-    * the dummy step runs the optimizer's step hooks (fsdp-autopatch's own optimizer guard among
-      them), an LR scheduler sees a step that never happened.
-
-Torch versions
-    Measured on 2 gloo ranks: 2.13 and 2.15 (the missing key with the unused-param fill and
-    ``restore_unused_param_grads``, and with a parameter that never had a gradient; step 1 at
-    step 0). Read, not run: ``_init_optim_state`` has the same early return and dummy step from
-    2.6. Any dtype and shape; FSDP2 DTensor parameters, plain tensors and DDP alike.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/dcp_optimizer_state_init.md.
 
 Needed here?
     ``state_dict._init_optim_state(optim)``'s source returns early on ``optim.state`` and calls
@@ -63,10 +33,6 @@ The replacement
 
     ``fired``: once per call that created state (the number of parameters in ``where``).
 
-    What it cannot repair: a checkpoint already written without the entries (by torch, or with
-    this fix disabled) still lacks them; load it with
-    ``dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True))``.
-
 When it applies
     DCP's state_dict module is imported on its own, before FSDP2, after it, or without it; the
     fix waits for that module (``Entry.waits_for``), not for FSDP2, and applies when it arrives.
@@ -74,8 +40,6 @@ When it applies
 Call-time isolation
     Our code runs before and instead of torch's function. Should it raise, the state it created
     is removed again and torch's function runs in its place (the bug's behaviour). No collective.
-
-Disable with ``FSDP_AUTOPATCH_DCP_OPTIMIZER_STATE_INIT_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """frozen_first_mp_dtypes: a unit frozen at the first forward and unfrozen later keeps its mixed-precision
 dtypes (a backport of PyTorch PR 187376, for PyTorch issue 186998).
 
-Docs: docs/patches/frozen_first_mp_dtypes.md (the symptom, the releases, the measurements).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/frozen_first_mp_dtypes.md.
 
 Needed here?
     ``FSDPParamGroup._init_mp_dtypes`` (run once per unit, from the root's lazy init at the first
@@ -29,8 +29,6 @@ Call-time isolation
     Our code runs after torch's method: should it raise, torch's result stands (``KEEP_RESULT``: the
     bug's behaviour). What torch raises propagates. Under ``torch.compile`` the method runs in FSDP2's
     pre-forward hook, which torch hides from Dynamo: the wrapper runs eagerly there.
-
-Disable with ``FSDP_AUTOPATCH_FROZEN_FIRST_MP_DTYPES_ENABLED=0``.
 """
 
 from __future__ import annotations
