@@ -1,24 +1,6 @@
 """fsdp_module_abc_layout: ``fully_shard`` works on a module class that lists ``abc.ABC`` first.
 
-The bug
-    ``fully_shard(module)`` swaps the module's class for ``FSDP<Name>``, built as
-    ``type("FSDP<Name>", (FSDPModule, type(module)), ...)`` and assigned to ``module.__class__``.
-    CPython allows that assignment only between classes of the same instance layout, and the
-    layout of a new class comes from its first base that adds instance storage. For
-    ``class Model(abc.ABC, nn.Module)`` that is ``Model`` itself, whose base ``abc.ABC`` has
-    ``__slots__ = ()`` (``Model`` adds ``__dict__`` and ``__weakref__``); for ``FSDPModel`` it is
-    ``FSDPModule`` (which adds them over ``object``). The two differ, and every Python raises::
-
-        TypeError: __class__ assignment: 'FSDPModel' object layout differs from 'Model'
-
-    Upstream: PyTorch issue 160068 (open); transformers issue 39977 (its fix, PR 40191, removed
-    ``ABC`` from its task heads); verl PR 3072. Any ``abc.ABC`` mixin listed before
-    ``nn.Module`` (a model base with abstract hooks) hits it; ``class Model(nn.Module, abc.ABC)``
-    does not.
-
-Torch versions
-    Every FSDP2 release (2.6 - 2.15) builds the class this way; measured on 2.13 and 2.15,
-    Python 3.9 - 3.13.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/fsdp_module_abc_layout.md.
 
 Needed here?
     ``fully_shard`` and torch's class cache (``_fully_shard.cls_to_fsdp_cls``, the dict torch
@@ -41,8 +23,6 @@ Call-time isolation
     Our code runs before torch's ``fully_shard``; should it raise, torch's function runs as without
     the patch (``_isolation``). A class it prepared stays in torch's cache (correct, and what
     torch would use for that class from then on). Nothing here is collective.
-
-Disable with ``FSDP_AUTOPATCH_FSDP_MODULE_ABC_LAYOUT_ENABLED=0``.
 """
 
 from __future__ import annotations

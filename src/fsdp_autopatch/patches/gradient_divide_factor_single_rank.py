@@ -1,29 +1,6 @@
 """gradient_divide_factor_single_rank: a custom gradient divide factor divides once on a one-rank shard group.
 
-The bug
-    ``FSDPModule.set_gradient_divide_factor(f)`` with a reduce-scatter (shard) group of one rank
-    (HSDP mesh ``(N, 1)``, one process per node, a one-process mesh) on FSDP2's sum paths
-    (``set_force_sum_reduction_for_comms(True)``, which Megatron-LM sets for per-token loss and
-    expert parallelism, or a reduce dtype other than fp32/bf16, e.g. fp16) divides every gradient
-    by ``f * f``, silently (the ranks agree with each other). In ``_fsdp_collectives``:
-    ``_get_gradient_divide_factors`` returns pre/post-divide factors whose product is ``f``
-    whatever the group's size (fp32: ``(None, f)``; fp16: about ``(sqrt f, sqrt f)``), and
-    ``foreach_reduce``, which skips the reduce-scatter of a one-rank group, replaces it by
-    ``reduce_output.copy_(reduce_scatter_input / gradient_divide_factor)``: a full division by
-    ``f`` of its own, between the two. The AVG / PREMUL_SUM path (pre/post ``None``) and
-    ``factor=None`` (the copy does not divide) are right; so is any shard group of 2+ ranks.
-
-    Upstream: PyTorch issue 155903 (the family: the factor's FSDP/HSDP inconsistency, closed by
-    PR 155915, which added the force-sum path); the copy branch arrived with PR 162021 ("skipping
-    reduce_scatter when world size is 1", Sept 2025) as a plain copy, and the division inside it
-    later (by 2.10). PR 196348 only avoids the temporary for a factor of 1. No upstream fix of
-    the double division is known.
-
-Torch versions
-    Measured: 2.10, 2.11, 2.12, 2.13 and 2.15 (2 gloo ranks, factor 4: gradients 4x too small;
-    2.10 and 2.11 by the matrix of 2026-12-02, where the structural check found the dividing copy).
-    The releases before it divide once and are right: 2.8 and 2.9 measured (not needed: neither has a
-    copy that divides, and their unpatched runs are right). The structural check decides on every release.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/gradient_divide_factor_single_rank.md.
 
 Needed here?
     Read from torch's own code (no process group): ``foreach_reduce``'s source has an
@@ -49,16 +26,13 @@ The replacement
     after the reduction to keep fp16 in range; with the patch the whole ``f`` is divided in the
     copy, before the HSDP all-reduce (the copy reads the same ``gradient_divide_factor`` that feeds
     this function, so the split cannot be kept from outside). With a large ``f`` a small fp16
-    gradient can underflow where torch intended ``sqrt f``; measured with ``f = 4``: equal to the
-    2-rank shard group within fp16 rounding. An ``all_reduce_hook`` sees the fully divided
-    gradient, as on the copy branch's AVG path.
+    gradient can underflow where torch intended ``sqrt f``. An ``all_reduce_hook`` sees the fully
+    divided gradient, as on the copy branch's AVG path.
 
 Call-time isolation
     Our code runs after torch's function, which is pure: should it raise, the caller gets torch's
     result (``KEEP_RESULT``: the double division, as without the patch). It reads
     ``group.size()`` only (local, no collective) and allocates nothing.
-
-Disable with ``FSDP_AUTOPATCH_GRADIENT_DIVIDE_FACTOR_SINGLE_RANK_ENABLED=0``.
 """
 
 from __future__ import annotations

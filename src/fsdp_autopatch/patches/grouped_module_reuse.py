@@ -1,24 +1,6 @@
 """grouped_module_reuse: a grouped unit's repeat call inside the root's forward gets a pre-backward hook.
 
-The bug
-    A grouped unit ``fully_shard([norm, head])`` whose ``head`` runs again later in the same root
-    forward (an MTP-style auxiliary head), with that output kept on a module attribute instead of
-    returned. The repeat call starts a new pass of the group that never completes, so it takes the
-    group's partial post-forward path (output-dtype cast only: no reshard, no pre-backward hook).
-    The root's post-forward then force-completes the group (``_force_complete_incomplete_states``):
-    it reshards it and registers its pre-backward hook on the root's output only. Autograd reaches
-    the repeat call's backward first (its nodes are newer) and reads the freed unsharded weight,
-    on every rank::
-
-        RuntimeError: setStorage: sizes [4, 8], strides [8, 1], storage offset 0, and itemsize 4
-        requiring a storage size of 128 are out of bounds for storage of size 0
-
-    Upstream: PyTorch issue 183702 (open); the force-complete comes from PyTorch PR 180428.
-
-Torch versions
-    Measured on 2 gloo ranks: fails on 2.13, 2.14 and 2.15; right on 2.8 - 2.12, which predate
-    the force-complete (PyTorch PR 180428): a partial group stays unsharded until backward there.
-    2.6 and 2.7 predate it too (not run: FSDP2 does not run on gloo before 2.8).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/grouped_module_reuse.md.
 
 Needed here?
     ``_fsdp_state._register_group_forward_hooks(modules, pre_hook, post_hook, modules_to_run,
@@ -48,8 +30,6 @@ Call-time isolation
     errors stay torch's. The force-complete wrapper's work runs after torch's; should it raise,
     torch's output is returned without the extra hooks (the bug's behaviour, as without the
     patch). All of it is local to the rank: no collective.
-
-Disable with ``FSDP_AUTOPATCH_GROUPED_MODULE_REUSE_ENABLED=0``.
 """
 
 from __future__ import annotations

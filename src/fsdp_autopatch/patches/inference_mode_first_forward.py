@@ -1,32 +1,7 @@
 """inference_mode_first_forward: an evaluation under ``torch.inference_mode()`` before the first
 training step no longer breaks training.
 
-The bug
-    FSDP2 creates each parameter's all-gather outputs (``FSDPParam.init_all_gather_outputs``:
-    ``torch.empty`` buffers, reused by every later unshard) and its unsharded parameter
-    (``FSDPParam.init_unsharded_param``: an ``nn.Parameter`` over them) once, at the first
-    unshard, in whatever autograd mode that unshard runs in. An evaluation or rollout under
-    ``torch.inference_mode()`` before the first training step makes them inference tensors, for
-    the rest of the run. The first training forward then raises, on every rank::
-
-        RuntimeError: Inplace update to inference tensor outside InferenceMode is not allowed.
-        You can make a clone to get a normal tensor before doing inplace update. ...
-
-    (the all-gather copy-out writing into the buffers), or, for a unit that stays unsharded after
-    forward (``reshard_after_forward=False``, the root by default)::
-
-        RuntimeError: Inference tensors cannot be saved for backward. ...
-
-    On a shard group of one rank (HSDP ``(n, 1)``) torch 2.13 raises already in the evaluation,
-    ``RuntimeError: Inference tensors do not track version counter.`` (the one-rank copy; PyTorch
-    PR 197327 made that copy skip inference tensors for 2.15, which leaves the first error above for
-    the training step). With ``torch.no_grad()`` instead of ``inference_mode`` the same run trains.
-
-Torch versions
-    Measured on 2 gloo ranks: 2.13 and 2.15 (fp32 and bf16 ``param_dtype``, reshard after forward
-    or not, HSDP ``(2, 1)``). Read, not run: 2.14 and earlier sources (2.6-era on) create both the
-    same way. Before PyTorch PR 146709 the copy-out also preserved the buffers' version counters,
-    which inference tensors lack, so the evaluation itself failed; normal buffers repair that too.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/inference_mode_first_forward.md.
 
 Needed here?
     ``FSDPParam.init_all_gather_outputs`` creates ``all_gather_outputs`` with ``torch.empty`` and
@@ -61,8 +36,6 @@ Call-time isolation
     Our code before torch's method (the mode and the buffers read) falls back to torch's method as
     it came (the bug's behaviour); the fire count after it keeps torch's result (``KEEP_RESULT``).
     What torch's method raises propagates. No collective of ours.
-
-Disable with ``FSDP_AUTOPATCH_INFERENCE_MODE_FIRST_FORWARD_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """inplace_view_output: a unit's output that is a view survives an in-place op by the caller.
 
-The bug
-    After a unit's forward, FSDP2 reshards its parameters and registers its pre-backward hook
-    (``FSDPState._pre_backward``, which unshards them again) on every output tensor that requires
-    grad: ``t.register_hook(self._pre_backward)`` in ``FSDPState._register_pre_backward_hook``. A
-    tensor hook sits on the autograd node the tensor had when it was registered. When the output is
-    a view (the forward ends in ``view`` / ``transpose`` / ``squeeze`` / ``flatten`` / slicing; on
-    torch 2.13 and earlier also any ``nn.Linear`` on a 3-D input, whose output is a view of the 2-D
-    matmul until PyTorch PR 194077) and the caller modifies it in place (``logits.div_(T)``, ``y += b``,
-    ``masked_fill_``, an in-place activation), autograd rebases the view: the gradient now flows
-    ``AsStridedBackward -> CopySlices -> <the base's node>``, around the view's old node and its
-    hook. The unit is never unsharded, and its backward reads the freed weight, on every rank::
-
-        RuntimeError: setStorage: sizes [8, 8], strides [8, 1], storage offset 0, and itemsize 4
-        requiring a storage size of 256 are out of bounds for storage of size 0
-
-    Upstream: PyTorch issue 181832, closed by a warning only (PR 181850: "returned a view tensor.
-    An in-place op on this view ... will silently drop the pre-backward hook"); Megatron-LM's
-    opt-in ``clone_output_views`` copies every output view instead.
-
-Torch versions
-    Measured on 2 gloo ranks: 2.13 (transpose, view and ``nn.Linear`` on 3-D) and 2.15 (transpose
-    and view; ``nn.Linear`` on 3-D returns a non-view there, PR 194077, and is right). Read, not
-    run: 2.6 - 2.12 register the hook the same way (``t.register_hook(self._pre_backward)`` for each
-    output tensor). Any dtype, shape and mixed-precision policy; activation checkpointing too.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/inplace_view_output.md.
 
 Needed here?
     ``FSDPState._register_pre_backward_hook(output)``'s source registers ``self._pre_backward``
@@ -58,8 +35,6 @@ Call-time isolation
     without the base hooks (``KEEP_RESULT``: the bug's behaviour). The hook runs our check
     isolated (``_isolation.isolated``); torch's ``_pre_backward`` inside it runs as torch's
     (``torch_call``), so its errors (a failing all-gather) reach the user. No collective of ours.
-
-Disable with ``FSDP_AUTOPATCH_INPLACE_VIEW_OUTPUT_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """keep_param_attributes: the Python attributes user code set on an ``nn.Parameter`` survive ``fully_shard``.
 
-The bug
-    ``fully_shard`` replaces every managed parameter by a new sharded ``nn.Parameter(DTensor)``
-    (``FSDPParam._init_sharded_param``), and each unshard / reshard installs another parameter
-    object on the module: the unsharded ``nn.Parameter`` for forward and backward, and with an int
-    ``reshard_after_forward`` a post-forward shard. None of them gets the ``__dict__`` of the
-    parameter it replaces, so ``p.no_weight_decay = True``, Megatron-LM's ``p.sequence_parallel``
-    or an MoE expert tag set before ``fully_shard`` are gone after it. A strict read fails with
-    ``AttributeError: 'DTensor' object has no attribute 'no_weight_decay'``; a lenient one
-    (``getattr(p, "no_weight_decay", False)``) is silently wrong, e.g. an optimizer built from the
-    marks puts every parameter in the weight-decay group. Upstream: PyTorch issue 136929 (closed
-    without a change); Megatron-LM saves and restores the attributes around ``fully_shard``.
-
-Torch versions
-    Every FSDP2 release: measured on every release 2.8 - 2.15 (every attribute lost at
-    ``fully_shard``); 2.6 and 2.7 decided by the structural check (FSDP2 does not run on gloo there).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/keep_param_attributes.md.
 
 Needed here?
     ``FSDPParam._setattr_on_modules(self, param)`` installs a parameter through
@@ -64,8 +50,6 @@ Call-time isolation
     ``FSDPModule._apply``. Should it raise, torch installs the parameter (or ``_apply``'s result is
     returned) without the attributes, as without the patch. Local to the rank: no collective.
     ``param`` is read by name; any other argument is forwarded.
-
-Disable with ``FSDP_AUTOPATCH_KEEP_PARAM_ATTRIBUTES_ENABLED=0``.
 """
 
 from __future__ import annotations

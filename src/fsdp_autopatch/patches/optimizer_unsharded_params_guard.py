@@ -1,24 +1,6 @@
 """optimizer_unsharded_params_guard: stop an optimizer that holds FSDP2's *unsharded* parameters.
 
-The bug
-    Between an unshard and the next reshard, FSDP2 registers each unit's unsharded parameter (a
-    plain ``nn.Parameter`` over the all-gathered data, made once by
-    ``FSDPParam.init_unsharded_param``) on the module in place of the sharded DTensor parameter
-    (``FSDPParam.to_unsharded`` -> ``_setattr_on_modules``). The root module stays unsharded after
-    forward: always before torch 2.8, and from 2.8 (PyTorch PR 155319, on top of PR 154704) when
-    ``fully_shard(root)`` was called without ``reshard_after_forward``. A training forward reshards
-    in its backward; a forward under ``torch.no_grad()`` (an eval pass, a shape probe) has no
-    backward, so the root's unsharded parameters stay on the module until the next forward or
-    ``model.reshard()``. An optimizer built then from ``model.parameters()`` holds them instead of
-    the sharded parameters FSDP2 trains: their ``grad`` is always None (post-backward moves each
-    gradient to the sharded parameter), so every step skips them. The root's own parameters
-    (a ``head``, an embedding) never train, silently; the other units drift from the reference.
-    Upstream: PyTorch issue 149205 (closed, no check in torch). The same trap after an explicit
-    ``reshard_after_forward=False`` or ``model.unshard()`` is caught the same way.
-
-Torch versions
-    Every FSDP2 release 2.6 - 2.15 keeps the root unsharded after forward (read in each); measured
-    on 2.13 and 2.15 (2 gloo ranks: the root's weights move by exactly 0 in 3 SGD steps).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/optimizer_unsharded_params_guard.md.
 
 Needed here?
     ``FSDPParam.init_unsharded_param`` builds an ``nn.Parameter`` into ``_unsharded_param``,
@@ -56,8 +38,6 @@ Call-time isolation
     The recording runs after torch's method (its result is kept should it raise). The hook's code
     runs inside ``_isolation.isolated``: the only exception it lets out is the GuardError. Nothing
     here is collective.
-
-Disable with ``FSDP_AUTOPATCH_OPTIMIZER_UNSHARDED_PARAMS_GUARD_ENABLED=0``.
 """
 
 from __future__ import annotations
