@@ -1,6 +1,6 @@
 """param_grad_hooks_guard: a ``Tensor.register_hook`` hook on a parameter FSDP2 manages stops the first backward.
 
-What it is for, the torch versions and the measurements: ``docs/patches/param_grad_hooks_guard.md``.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/param_grad_hooks_guard.md.
 
 Needed here?
     ``FSDPParam._init_sharded_param(self, param, ...)`` builds the sharded parameter as a new
@@ -30,8 +30,6 @@ Call-time isolation
     The recording runs after torch's method (its result is kept should ours raise). The check runs
     before torch's ``pre_backward``: the GuardError reaches the user; should our code raise anything
     else, torch's method runs as it came (the bug's behaviour). Local to the rank: no collective.
-
-Disable with ``FSDP_AUTOPATCH_PARAM_GRAD_HOOKS_GUARD_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """param_post_accumulate_hooks: post-accumulate-grad hooks registered before ``fully_shard`` keep running.
 
-What it is for, the torch versions and the measurements: ``docs/patches/param_post_accumulate_hooks.md``.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/param_post_accumulate_hooks.md.
 
 Needed here?
     ``FSDPParam._init_sharded_param(self, param, ...)`` builds the sharded parameter as a new
@@ -34,8 +34,6 @@ Call-time isolation
     Our code runs after torch's method; should it raise, torch's result is kept (``KEEP_RESULT``)
     and the hooks stay where they were (the bug's behaviour). ``param`` is read by name; any other
     argument is forwarded. Local to the rank: no collective.
-
-Disable with ``FSDP_AUTOPATCH_PARAM_POST_ACCUMULATE_HOOKS_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """param_written_in_forward: stop a run whose forward writes a managed parameter in place, at the reshard
 that would drop the write.
 
-Docs: docs/patches/param_written_in_forward.md (the symptom, the releases, the measurements).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/param_written_in_forward.md.
 
 Needed here?
     ``FSDPParamGroup.wait_for_unshard`` copies the all-gather out into the unsharded parameters and
@@ -40,8 +40,6 @@ Call-time isolation
     result stands and the record is missing: no stop). The comparison runs before torch's
     ``reshard`` (should it raise, torch's method runs as it came), the stop after it. Under
     ``torch.compile`` both methods run inside FSDP2's hooks, which torch hides from Dynamo: eager.
-
-Disable with ``FSDP_AUTOPATCH_PARAM_WRITTEN_IN_FORWARD_ENABLED=0``.
 """
 
 from __future__ import annotations

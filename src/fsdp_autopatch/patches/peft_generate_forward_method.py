@@ -1,28 +1,7 @@
 """peft_generate_forward_method: ``generate()`` on a PEFT model that is FSDP2's root runs inside the
 root's pre-forward and post-forward, as the root's forward does.
 
-The bug
-    FSDP2 unshards a unit's parameters in hooks on its module's ``forward`` only. A PEFT wrapper as
-    FSDP2's root (TRL and Accelerate: ``fully_shard`` on each decoder layer, then on the
-    ``PeftModel``) holds the root unit: the embedding, the final norm, the LM head. ``generate`` of
-    every PEFT class calls the wrapped model's ``generate`` (``PeftModel.generate`` ->
-    ``get_base_model().generate``), which calls the wrapped model's forward, never the root's: the
-    root's hooks do not run, its parameters stay sharded DTensors, and the first op on them raises,
-    on every rank, before the first training step (FSDP2's lazy init has not run) and after it::
-
-        RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor, need to convert all
-        torch.Tensor to DTensor before calling distributed operators!
-
-    (TRL issue 4550.) The remedy scripts write by hand is ``register_fsdp_forward_method(model,
-    "generate")``; transformers' Trainer calls it on every FSDP2 root. A transformers model as the
-    root is not affected: its ``generate`` calls the root itself, through its hooks.
-
-Torch versions
-    Measured on 2 gloo ranks with peft 0.21 and transformers 5.25: 2.13. Read, not run: the 2.14.1
-    and 2.15.0 wheels (the same ``FSDPState.init``, ``_pre_forward``, ``_post_forward`` and
-    ``register_fsdp_forward_method``). FSDP2 has run its hooks on ``forward`` only since it exists
-    and has offered ``register_fsdp_forward_method`` since 2.4 (PyTorch PR 125394); 2.6 - 2.12 not
-    read here: the structural check decides there.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/peft_generate_forward_method.md.
 
 Needed here?
     ``FSDPState.init`` takes ``modules`` and registers ``_pre_forward`` / ``_post_forward`` as their
@@ -61,8 +40,6 @@ Call-time isolation
     recorded failed and PEFT's ``generate`` runs as it came (the bug's behaviour). What torch's
     ``_pre_forward`` / ``_post_forward`` and PEFT's ``generate`` raise propagates. No collective of
     ours.
-
-Disable with ``FSDP_AUTOPATCH_PEFT_GENERATE_FORWARD_METHOD_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """pending_grads_warning: say so when ``zero_grad()`` or ``step()`` meets FSDP2 gradients not yet reduced.
 
-The behaviour
-    With ``set_requires_gradient_sync(False)`` (gradient accumulation without communication, FSDP1's
-    ``no_sync``) FSDP2 keeps each micro-batch's gradient unreduced on its FSDPParam
-    (``_unsharded_param.grad``; ``unsharded_accumulated_grad`` when ``reduce_dtype`` differs from
-    ``param_dtype``; HSDP's ``_partial_reduce_output`` under ``set_requires_all_reduce(False)``).
-    ``optimizer.zero_grad()`` and ``model.zero_grad()`` clear only the sharded gradients, so a loop
-    that discards a window (a NaN or OOM skip, an epoch that ends mid-window) still has it reduced
-    into the next step. Measured on 2 gloo ranks (torch 2.13 and 2.15): after a discarded window
-    of one micro-batch, the next update is 0.50 off DDP's, where ``zero_grad()`` after ``no_sync``
-    drops the window (``tests/distributed/test_dist_pending_grads.py``). Likewise an
-    ``optimizer.step()`` right after a backward with the sync off applies only gradients reduced
-    before, and the kept ones go into the next step. No error, no warning. Some FSDP2-only code may
-    rely on it, so this is a policy that warns, not a guard; ``zero_grad_discards_pending_grads``
-    makes ``zero_grad()`` drop them as DDP does.
-
-Torch versions
-    Every FSDP2 release keeps the gradients this way (measured on every release 2.8 -
-    2.15). No torch release warns.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/pending_grads_warning.md.
 
 Needed here?
     ``FSDPParamGroup.post_backward`` keeps gradients by ``reduce_grads``; ``FSDPParam`` keeps them
@@ -41,10 +24,6 @@ Call-time isolation
     after torch's method (its result is kept should ours raise). The step hook runs inside
     ``_isolation.isolated``. ``python -W error`` turns the warning into a line on stderr, never into
     an exception.
-
-On by default; ``FSDP_AUTOPATCH_PENDING_GRADS_WARNING=0`` turns it off. Upstream: none (2.15's
-``set_requires_gradient_sync`` docstring describes the accumulation; DDP's ``no_sync`` behaves the
-other way).
 """
 
 from __future__ import annotations

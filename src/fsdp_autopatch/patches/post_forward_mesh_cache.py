@@ -1,20 +1,7 @@
 """post_forward_mesh_cache: FSDP2 units with the same mesh and integer reshard_after_forward share
 one post-forward DeviceMesh.
 
-The bug
-    ``fully_shard(module, mesh=mesh, reshard_after_forward=k)`` with an integer ``1 < k < shard
-    size`` calls ``_fsdp_init._get_post_forward_mesh_info(k, mesh_info)``, which builds a new
-    ``DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))`` on every call: new process groups for
-    every unit, although all of them describe the same ranks. On 4 gloo ranks with ``k=2``, 8
-    ``Linear`` units create 16 process groups, 16 units 32. On NCCL each group is a communicator
-    (memory, start-up time; NVLS multicast slots run out on NVSwitch systems). Upstream: PyTorch
-    issues 187155, 153302, 147179; PRs 179402 (closed), 187161 (open); NeMo Automodel's
-    ``patch_fsdp_post_forward_mesh_cache``.
-
-Torch versions
-    The function is the same in 2.6 - 2.15: measured on every release 2.8 - 2.15 (4 gloo ranks, k=2:
-    8 units -> 16 process groups, 16 -> 32; with the patch 2 and 2); read in the 2.6 and 2.7 wheels
-    (they lack the warning for k=1; FSDP2 does not run on gloo before 2.8).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/post_forward_mesh_cache.md.
 
 Needed here?
     ``_fsdp_init._get_post_forward_mesh_info(reshard_after_forward, mesh_info)`` exists and its
@@ -53,8 +40,6 @@ Call-time isolation
     the cache, and its ``new_group`` waits until the process group's timeout. A parameter a later
     torch adds is part of the lookup key (a call is served remembered only when every argument is
     the same; an unhashable one goes to torch).
-
-Disable with ``FSDP_AUTOPATCH_POST_FORWARD_MESH_CACHE_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """reshard_stale_unsharded: a unit still unsharded when ``optimizer.step()`` runs is resharded, so
 the next forward all-gathers the stepped weights instead of reusing the copy gathered before.
 
-Symptom, triggers, measurements and upstream references: ``docs/patches/reshard_stale_unsharded.md``.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/reshard_stale_unsharded.md.
 
 The mechanism
     ``FSDPParamGroup.unshard()`` returns at once when the group is already unsharded. The optimizer
@@ -55,8 +55,6 @@ Call-time isolation
     torch's result is kept. The hook runs inside ``_isolation.isolated`` and lets nothing out. A
     global hook is not a target: it does nothing once this patch is reverted, disabled or failed.
     Nothing here is collective: every rank of a unit reshards it alike, as its state is the same.
-
-Disable with ``FSDP_AUTOPATCH_RESHARD_STALE_UNSHARDED_ENABLED=0``.
 """
 
 from __future__ import annotations
