@@ -1,20 +1,6 @@
 """restore_unused_param_grads: keep ``grad is None`` for a parameter that no rank used.
 
-The bug
-    The unused-param fill (torch 2.13's ``set_reduce_scatter_unused_params`` or this package's
-    backport) gives a locally unused parameter a zero contribution so that every rank issues the
-    same reduce-scatter. When *no* rank of the parameter's reduction domain used it, the reduction
-    turns a missing gradient into an exact-zero one, and an optimizer takes that as a real
-    gradient: AdamW counts a step, applies decoupled weight decay and keeps moving the weight with
-    old momentum. Without the fill the gradient stays None and the optimizer skips the parameter.
-    (Measured on torch 2.13: an unused weight moved by ~4.6e-3 in one AdamW step.) Same class of
-    bug as DDP's PyTorch issue 28294; Megatron-LM documents it.
-
-Torch versions
-    Every version with the fill: torch >= 2.13 natively, 2.6 - 2.12 through
-    ``unused_param_reduction``. Still relevant on 2.15, whose manual backward finalization
-    (``set_manual_backward_finalization``, also what its pipelining schedules use) never calls the
-    final callback's restore: covered by the ``_end_backward_iteration`` wrapper below.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/restore_unused_param_grads.md.
 
 Needed here?
     A fill must exist (``FSDPModule.set_reduce_scatter_unused_params``) and the wrapped internals
@@ -68,8 +54,6 @@ Limitation
     folds into a pending partial reduce is not treated as creating the gradient (the partial reduce
     may hold earlier micro-batches' gradients, which must survive). So a parameter that no rank
     used in any micro-batch of such a window keeps the reduced zero.
-
-Disable with ``FSDP_AUTOPATCH_RESTORE_UNUSED_PARAM_GRADS_ENABLED=0``.
 """
 
 from __future__ import annotations

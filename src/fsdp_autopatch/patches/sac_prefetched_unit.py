@@ -1,37 +1,6 @@
 """sac_prefetched_unit: FSDP2's forward hooks run outside selective activation checkpointing's bookkeeping.
 
-The bug
-    Selective activation checkpointing (SAC: ``checkpoint(fn, x, use_reentrant=False,
-    context_fn=partial(create_selective_checkpoint_contexts, policy))``) counts every op the
-    region dispatches, per op (``_CachingTorchDispatchMode`` in the forward), and the recompute in
-    backward looks each op up by that invocation index (``_CachedTorchDispatchMode``). FSDP2's
-    forward hooks (``FSDPState._pre_forward`` / ``_post_forward``) run inside the region when a
-    unit's forward does, and dispatch ops of their own: profiler ``record_function``s, the
-    all-gather's copy-in, ``c10d._allgather_base_``, the copy-out ``fsdp.split_with_sizes_copy``,
-    views of the unsharded parameters. When the unit was unsharded before the region
-    (``unit.unshard()`` / ``unshard(async_op=True)``, or ``set_modules_to_forward_prefetch``), the
-    forward runs none of the all-gather's ops, while the recompute (the unit resharded after
-    forward) all-gathers again and takes the root pre-forward's path; every rank raises in its
-    first backward::
-
-        RuntimeError: profiler._record_function_enter_new.default invocation index 2 encountered
-        during backward but not found in storage. This can happen if the operations in the
-        checkpointed region are nondeterministic or depend on global state that changed between
-        forward and backward.
-
-    (the op varies: ``aten.view.default``, ``aten.split.Tensor`` for a unit sharded on dim 1; index
-    2 for ``unshard()``, 3 for the forward prefetch, in our model). Any policy (saving mm/addmm,
-    recomputing everything), any dtype. A policy that saves FSDP2's ops (save-every-op) gives
-    wrong gradients without any prefetch: the recompute takes the cached copy-out and the unsharded
-    parameter keeps uninitialized memory. Upstream: NeMo Automodel issue 3958, torchtitan issue
-    3427; PyTorch PRs 185178 and 196862 (SAC-only bypass around the all-gather; both closed).
-
-Torch versions
-    Measured on 2.13.0 and 2.15.0 (2 gloo ranks, CPU). 2.14 neither read nor run. Before 2.13
-    (read in 2.8.0) SAC replays from per-op FIFO lists and looks up only the ops the policy saves
-    (no ``func_counter``): a mm policy passes there, a save-every-op policy with ``unshard()``
-    raises "Trying to backward an extra time"; that SAC is not what this patch was measured on:
-    unsupported there, torch untouched.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/sac_prefetched_unit.md.
 
 Needed here?
     ``torch.utils.checkpoint`` has ``_CachingTorchDispatchMode`` and ``_CachedTorchDispatchMode``,
@@ -61,12 +30,12 @@ The replacement
     patch's code runs outside SAC too.
 
     Behaviour change where the bug does not strike: inside any SAC region the user's policy is no
-    longer called for FSDP2's own ops (62 fewer calls per rank in our 2-step model), and they are
-    never saved. Gradients of a policy that does not name FSDP2's ops are bitwise unchanged
-    (measured); a save-every-op policy stops producing the silent wrong gradients; a policy that
-    counts its calls sees fewer. ``fired`` counts every hook call that ran with SAC's modes taken
-    off the stack (two per unit per forward inside a SAC region, two more per recompute), whether
-    or not that call would have mismatched: the forward cannot tell what the recompute will do.
+    longer called for FSDP2's own ops, and they are never saved. Gradients of a policy that does not
+    name FSDP2's ops are bitwise unchanged; a save-every-op policy stops producing the silent wrong
+    gradients; a policy that counts its calls sees fewer. ``fired`` counts every hook call that ran
+    with SAC's modes taken off the stack (two per unit per forward inside a SAC region, two more per
+    recompute), whether or not that call would have mismatched: the forward cannot tell what the
+    recompute will do.
 
 Call-time isolation
     Our code runs before and after torch's hook. Should it raise while taking the modes off, the
@@ -74,8 +43,6 @@ Call-time isolation
     torch's hook ran, torch's result is kept (``KEEP_RESULT``). What torch's hook raises propagates
     after the stack is restored. Nothing here is collective, and the decision (a SAC mode on the
     stack) is the same on every rank running the same model.
-
-Disable with ``FSDP_AUTOPATCH_SAC_PREFETCHED_UNIT_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """stale_backward_recovery: the step after a backward that raised trains as if its batch was never seen.
 
-The bug
-    Users recover from an out-of-memory error or a raising hook by catching the exception and
-    going on with the next batch (torchtitan issue 1329, composer PR 3866). A backward that raises
-    never runs the final callback FSDP2 queued at its first pre-backward
-    (``FSDPState._root_post_backward_final_callback``: autograd runs queued callbacks only when a
-    backward completes). Every state it reached is left in ``TrainingState.PRE_BACKWARD``, the
-    shared ``_state_ctx.post_backward_final_callback_queued`` stays True, units stay unsharded and
-    their reduce-scatter state pending. The next forward's ``FSDPState._pre_forward`` reads
-    ``PRE_BACKWARD`` as activation checkpointing's recompute inside a backward: it skips the
-    root pre-forward, the unshard and the post-backward hooks, and ``_post_forward`` registers no
-    pre-backward hook. Nothing resets the states again, so from then on every backward puts its
-    gradients on the unsharded parameters, nothing is reduced, and the optimizer's sharded
-    parameters get no gradient, silently, for every step after (measured on torch 2.13 and
-    2.15, 2 gloo ranks: 0 of 6 parameters got a gradient, the weights never move). Resetting
-    ``_training_state`` by hand, as some frameworks do, recovers one step at most (2 of 6).
-    Torch's own ``FSDPModule.reset_iter_state()`` (2.13+) resets the states, but 2.13's leaves the
-    failed backward's gradients on the unsharded parameters of units whose post-backward never
-    ran (the root's first): the next reduction adds them to the next batch's (measured: the
-    root's gradients equal failed batch + next batch). 2.15's reset drops them itself.
-
-Torch versions
-    Measured on 2.13 and 2.15 (both: 0 of 6 gradients without the patch; under 2.15's manual
-    finalization the next ``finalize_backward()`` raises "must be called after backward
-    completes" instead). 2.14 not run. Releases before 2.13 have no
-    ``FSDPState._reset_iter_state`` to recover with: unsupported there, torch left untouched.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/stale_backward_recovery.md.
 
 Needed here?
     ``FSDPState._pre_forward`` takes ``TrainingState.PRE_BACKWARD`` for a recompute, the final
@@ -65,8 +41,6 @@ Call-time isolation
     reset, the reset stands and the gradients stay (torch's ``reset_iter_state``). Should torch's
     reset raise when our pre-forward calls it (2.15: a gradient reduction owned by another root),
     the patch is recorded failed and torch's ``_pre_forward`` runs as without it.
-
-Disable with ``FSDP_AUTOPATCH_STALE_BACKWARD_RECOVERY_ENABLED=0``.
 """
 
 from __future__ import annotations

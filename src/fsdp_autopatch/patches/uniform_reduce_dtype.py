@@ -1,20 +1,6 @@
 """uniform_reduce_dtype: give every FSDP2 reduce-scatter one gradient dtype.
 
-The bug
-    ``foreach_reduce`` asserts that all gradients of one ``FSDPParamGroup`` share a dtype. With
-    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` and gradient
-    accumulation, gradients accumulated in earlier micro-batches are fp32 (``reduce_dtype``) while a
-    parameter first used in the last micro-batch, or the bf16 zero of the unused-param fill, is
-    bf16 (``param_dtype``)::
-
-        AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16, torch.float32}
-
-    The assertion may fire on one rank only, leaving its peers hanging in the reduce-scatter.
-    Upstream: PyTorch issue 196996, PR 160279; NeMo Automodel PR 3540.
-
-Torch versions
-    2.6 - 2.14 assert. torch 2.15 removed the assertion (accumulation rewritten around
-    ``Tensor.grad_dtype``): not needed there.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/uniform_reduce_dtype.md.
 
 Needed here?
     ``_fsdp_collectives.foreach_reduce`` takes ``(fsdp_params, unsharded_grads, ...)`` and its
@@ -43,8 +29,6 @@ Call-time isolation
     list as torch built it, and torch's assertion fires as without the patch. ``fsdp_params`` and
     ``unsharded_grads`` are read by name; any other argument is forwarded. Entries that are not
     tensors leave the list to torch.
-
-Disable with ``FSDP_AUTOPATCH_UNIFORM_REDUCE_DTYPE_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """unmanaged_trainable_params_guard: stop ranks that train parameters FSDP2 does not manage apart.
 
-The bug
-    ``fully_shard`` manages the parameters its modules hold when it runs: each becomes a sharded
-    DTensor whose gradient FSDP2 reduce-scatters over the data-parallel ranks. A trainable parameter
-    registered in the module tree afterwards (a PEFT / LoRA adapter injected into a model that was
-    already sharded, e.g. by transformers' ``from_pretrained(..., distributed_config=
-    DistributedConfig(fsdp_size=...))``, or LoRA applied after ``fully_shard``), or one passed as
-    ``ignored_params``, stays a plain tensor whose gradient FSDP2 never reduces. Each rank's optimizer
-    then steps it with that rank's own gradient: the ranks train different copies, and the synced
-    parameters are fed by the diverged ones. No error, no warning; the loss cannot show it; a
-    checkpoint keeps rank 0's copy. Measured on 2 gloo ranks (torch 2.13): the ranks' adapters
-    0.58 apart after 3 SGD steps. Upstream: transformers PRs 48792 ("N ranks train N different
-    adapters and rank 0's is the one saved"), 48873, 48204; FastVideo PR 1666; allenai/molmoact2
-    issue 35. No check in torch.
-
-Torch versions
-    Every FSDP2 release manages only what ``fully_shard`` saw (read in 2.6 - 2.15); measured on 2.13
-    and 2.15.
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/unmanaged_trainable_params_guard.md.
 
 Needed here?
     ``FSDPState._lazy_init`` (the root's first forward) fills ``_state_ctx.all_states``, each state's
@@ -56,8 +40,6 @@ Call-time isolation
     runs inside ``_isolation.isolated``: the only exceptions it lets out are the GuardError and what
     the collective raises (``_isolation.torch_call``: a peer's timeout is not a bug of ours). The
     collective is issued by every rank of a group alike: the ranks build their optimizers alike.
-
-Disable with ``FSDP_AUTOPATCH_UNMANAGED_TRAINABLE_PARAMS_GUARD_ENABLED=0``.
 """
 
 from __future__ import annotations

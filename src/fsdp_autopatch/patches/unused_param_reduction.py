@@ -1,18 +1,6 @@
 """unused_param_reduction: backport ``FSDPModule.set_reduce_scatter_unused_params`` to torch < 2.13.
 
-The bug
-    When ranks use different parameters inside one FSDP unit (MoE experts that got no tokens on a
-    rank, a multimodal branch skipped by some ranks' data), a rank without a gradient leaves that
-    parameter out of its reduce-scatter, so the ranks' reduce-scatter inputs differ: gloo aborts
-    on a size mismatch, NCCL may hang or silently mix up gradients of equally shaped parameters.
-    Upstream: PyTorch issue 158719, PR 174862; torchtitan issue 2747.
-
-    torch 2.13 added ``FSDPModule.set_reduce_scatter_unused_params(bool, *, recurse=True)``: a unit
-    with the flag on contributes a zero gradient for a parameter it did not use, so every rank
-    issues the same collective (like DDP's ``find_unused_parameters``).
-
-Torch versions
-    Backported to 2.6 - 2.12. Not needed from 2.13 (torch has the method).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/unused_param_reduction.md.
 
 Needed here?
     ``FSDPModule.set_reduce_scatter_unused_params`` exists -> not needed. Otherwise
@@ -45,8 +33,6 @@ Policy
     ``FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1``: every FSDP unit starts with the flag on, on
     every torch version, for users who cannot edit their training code
     (``reduce_scatter_unused_params_default_on``). Off by default, as in torch.
-
-Disable with ``FSDP_AUTOPATCH_UNUSED_PARAM_REDUCTION_ENABLED=0``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """zero_grad_discards_pending_grads: ``zero_grad()`` drops FSDP2's unreduced gradients, as DDP does (opt-in).
 
-The behaviour it changes
-    With ``set_requires_gradient_sync(False)`` FSDP2 keeps each micro-batch's gradient unreduced
-    on its FSDPParam (``_unsharded_param.grad``; ``unsharded_accumulated_grad`` when
-    ``reduce_dtype`` differs from ``param_dtype``; HSDP's ``_partial_reduce_output`` under
-    ``set_requires_all_reduce(False)``), and ``zero_grad()`` clears only the sharded gradients: a
-    window the loop discards (a NaN or OOM skip, an epoch that ends mid-window) is reduced into the
-    next step. DDP's ``zero_grad()`` after ``no_sync`` drops it. Measured on 2 gloo ranks (torch
-    2.13 and 2.15): the next update 0.50 off DDP's without this policy, 0.0 (bitwise, fp32) with it
-    (``tests/distributed/test_dist_pending_grads.py``). ``pending_grads_warning`` (on by default)
-    says when it happens; this policy is the choice it names.
-
-Torch versions
-    Every FSDP2 release keeps the gradients this way (measured on every release 2.8 - 2.15).
+Symptom, trigger, torch versions, measurements and upstream: docs/patches/zero_grad_discards_pending_grads.md.
 
 Needed here?
     The same internals as ``pending_grads_warning`` (``FSDPParamGroup.post_backward`` keeping
@@ -24,8 +12,9 @@ What it does
     The post-backward wrapper remembers the units that kept gradients. After torch's
     ``Optimizer.zero_grad`` / ``nn.Module.zero_grad``, the kept gradients of the parameters just
     zeroed are dropped (set to ``None``; HSDP's partial reduce-scatter output, and 2.15's layout of
-    it, only when every parameter of its unit is zeroed: it is one buffer), whatever ``set_to_none`` says (DDP's
-    zeroed ``.grad`` holds the window, and ``set_to_none=False`` zeroes it too). One fire per
+    it, only when every parameter of its unit is zeroed: it is one buffer), whatever
+    ``set_to_none`` says (DDP's zeroed ``.grad`` holds the window, and ``set_to_none=False`` zeroes
+    it too). One fire per
     ``zero_grad()`` that dropped something. Units outside the zeroed parameters, and every
     ``zero_grad()`` with nothing kept, are left exactly as torch leaves them: a run that never
     discards a window computes bitwise the same.
@@ -33,9 +22,6 @@ What it does
 Call-time isolation
     The wrappers read no argument and run after torch's method (its result is kept should ours
     raise; torch's own behaviour then stays: the gradients are kept, as without the policy).
-
-Off by default; ``FSDP_AUTOPATCH_ZERO_GRAD_DISCARDS_PENDING=1`` turns it on.
-Upstream: none (DDP's ``no_sync`` semantics).
 """
 
 from __future__ import annotations
