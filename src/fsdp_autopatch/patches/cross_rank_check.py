@@ -1,47 +1,28 @@
 """Policy ``cross_rank_check``: every rank of a process group must run the same patches.
 
-Why
-    The patches change which collectives a rank issues: ``restore_unused_param_grads`` adds an
-    all-reduce per backward, the unused-param fill changes what a rank reduce-scatters. If one
-    node's environment differs (a patch switched off there, another torch, the plugin missing),
-    its ranks issue other collectives than their peers: NCCL hangs until its timeout, gloo aborts,
-    or gradients are silently mixed. This check turns that into an immediate, explicit error.
+Why it exists, the errors, where it is skipped and what is tested: docs/configuration.md, "The
+cross-rank check".
 
 What
     Once per process group FSDP2 reduces over (each unit's shard group and, for HSDP, its
     replicate group), at the root's lazy initialization (its first forward, before any FSDP2
     collective), every rank compares a fingerprint of its plugin state (fsdp-autopatch and torch
-    versions, each patch's status, the policies) with its peers'. The comparison goes through
-    the job's c10d store, not through a collective on the group: a peer without the plugin runs
-    no check, and a collective would pair with that peer's first all-gather instead.
-
-    Happy path: per rank and process group, one ``set`` and three ``add`` calls and one ``wait``
-    on the store, i.e. O(world size) store operations for the whole job, whatever its size; no tensor
-    collective, nothing per step. Only on a mismatch does each rank read its peers' fingerprints
-    to name the ranks and patches that differ.
+    versions, each patch's status, the policies' names) with its peers'. The comparison goes
+    through the job's c10d store, not through a collective on the group: a peer without the plugin
+    runs no check, and a collective would pair with that peer's first all-gather instead. Only on a
+    mismatch does each rank read its peers' fingerprints to name the ranks and patches that differ.
 
 Errors
-    ``CrossRankMismatch`` (a ``RuntimeError``) on every rank of the group, from the first forward
-    (every group's findings in one error when several groups differ, e.g. HSDP's two groups):
-    * "ranks disagree": lists each differing item (e.g. ``restore_unused_param_grads``) with the
-      ranks on each side;
-    * "never reported": ranks that did not reach the check within the store's timeout (which
-      ``init_process_group`` sets to the process group timeout), i.e. where fsdp-autopatch is not
-      active (``FSDP_AUTOPATCH_ENABLED=0``, not installed in that environment, ``python -S``).
+    ``CrossRankMismatch`` on every rank of the group, from the first forward, with every group's
+    findings in one error: "ranks disagree" (the differing items, the ranks on each side) or "never
+    reported" (ranks silent until the store's timeout: the plugin is not active there).
 
 Where it cannot compare, it steps aside
-    The check is a diagnostic: it raises only for a difference it has proven (or for ranks that
-    stayed silent until the store's timeout). A process group it cannot compare is skipped, the
-    reason is recorded in the registry (``policies["cross_rank_check"]``: "skipped for group X:
-    why", in ``fsdp_autopatch.status()`` of the training process, and logged at INFO; the
-    fingerprint uses only policy names, so a skip never makes ranks differ) and the run goes on: a
-    group of one rank, the ``fake`` and ``threaded`` backends, a store that lives in this process
-    only (``HashStore``) or cannot do what the protocol needs (``FakeStore``), no default store
-    (every case, with its test: docs/configuration.md, "The cross-rank check"). gloo, nccl,
-    ``cpu:gloo,cuda:nccl`` and custom backends over a ``TCPStore`` or ``FileStore`` are compared.
-
-Disable with ``FSDP_AUTOPATCH_CROSS_RANK_CHECK=0`` (every rank: a rank that still checks waits
-for the others until the timeout). On by default; recorded under ``status().policies``.
+    A diagnostic: it raises only for a difference it has proven (or for ranks silent until the
+    store's timeout). A process group it cannot compare (one rank, the ``fake`` and ``threaded``
+    backends, a store of this process only or one that cannot do what the protocol needs, no
+    default store) is skipped, the reason recorded in ``policies["cross_rank_check"]`` and logged
+    at INFO; the fingerprint uses only policy names, so a skip never makes ranks differ.
 """
 
 from __future__ import annotations
