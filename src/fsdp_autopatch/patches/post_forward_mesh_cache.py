@@ -20,15 +20,8 @@ The replacement
     remembered. Hit: the remembered one is returned; a hit means an identical call already passed
     torch's validation, and torch would have built an identical mesh.
 
-    The entries are kept per default process group (``torch.distributed.group.WORLD``, held
-    weakly): several ranks in one process (threaded process groups) each have their own world and
-    never see another rank's mesh, and a world made by ``init_process_group()`` after
-    ``destroy_process_group()`` starts empty. Within a world an entry holds its mesh strongly, so
-    every rank decides hit or miss alike: ``DeviceMesh`` creation is collective (``new_group`` on
-    every rank of the world), and an entry that died with its units when the garbage collector ran
-    on one rank but not yet on another would make one rank create groups its peers do not (measured:
-    a hang). Holding it costs a ``DeviceMesh`` object: its process groups stay registered in
-    ``torch.distributed`` until ``destroy_process_group()`` with or without the patch.
+    The entries are kept per world and held strongly: [Note: one cache per world, held strongly]
+    on ``SharedMeshes``.
 
 Call-time isolation
     The lookup runs before torch's function, the remembering after it. Should the lookup raise,
@@ -73,7 +66,19 @@ def _structural_check() -> Verdict:
 
 
 class SharedMeshes:
-    """Per world (default process group, held weakly): lookup key -> the HSDPMeshInfo torch built."""
+    """Per world (default process group, held weakly): lookup key -> the HSDPMeshInfo torch built.
+
+    [Note: one cache per world, held strongly] The entries are kept per default process group
+    (``torch.distributed.group.WORLD``, held weakly): several ranks in one process (threaded
+    process groups) each have their own world and never see another rank's mesh, and a world made
+    by ``init_process_group()`` after ``destroy_process_group()`` starts empty. Within a world an
+    entry holds its mesh strongly, so every rank decides hit or miss alike: ``DeviceMesh`` creation
+    is collective (``new_group`` on every rank of the world), and an entry that died with its units
+    when the garbage collector ran on one rank but not yet on another would make one rank create
+    groups its peers do not (a hang). Holding it costs a ``DeviceMesh`` object: its process groups
+    stay registered in ``torch.distributed`` until ``destroy_process_group()`` with or without the
+    patch.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # thread ranks share this object
