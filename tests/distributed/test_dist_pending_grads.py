@@ -84,7 +84,7 @@ def step_warnings(rec: dict) -> list[str]:
 def test_without_the_discard_policy_the_window_is_reduced_into_the_step(variant):
     for rec in records(launch("no_warning"), variant):
         assert far_from(rec["params"], reference("keep", variant)) < tolerance(variant)
-        # the bug: DDP would have dropped the window (0.5 of the update and more)
+        # the bug: DDP would have dropped the window (1.3 times the DDP update away on 2.13)
         assert far_from(rec["params"], reference("ddp", variant)) > 10 * tolerance(variant)
         assert rec["warnings"] == []
 

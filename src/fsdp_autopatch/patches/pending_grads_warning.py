@@ -49,8 +49,8 @@ def _structural_check() -> Verdict:
 PATCH = Patch(
     name=NAME,
     summary="a warning when zero_grad() or step() meets FSDP2 gradients not yet reduced (sync off)",
-    symptom="silent: a window discarded with zero_grad() is still reduced into the next step (0.50 of the update "
-    "off DDP's on 2 ranks)",
+    symptom="silent: a window discarded with zero_grad() is still reduced into the next step (the weights 1.3 "
+    "times the DDP update away from DDP's on 2 ranks)",
     trigger="zero_grad() or optimizer.step() after a backward with set_requires_gradient_sync(False)",
     upstream=(),
     # the kept gradients: measured on 2.8 - 2.15 (2.15 in CI's matrix row)
