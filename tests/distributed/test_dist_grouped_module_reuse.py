@@ -3,10 +3,11 @@ Its case (``test_dist_cases.py``) shows the issue's smallest input, off and on: 
 ``fully_shard([norm, head])``, ``fully_shard(model)``, the forward calling ``head`` again on
 ``mtp.proj(h)`` and keeping that output on ``model.mtp.aux``, one micro-batch.
 
-Here, with the patch: the repeat call over 2 micro-batches, called twice more (``mtp2``), on HSDP
-meshes and under ``torch.compile``: gradients equal the reference, fired once per repeat output. The
-paths the patch must leave alone (the group used once, ``aux`` returned, chunked loss with one
-backward and with a backward per chunk) run off and on: bitwise equal, the same collectives.
+Here, off and on: the repeat call over 2 micro-batches, called twice more (``mtp2``), on HSDP
+meshes and under ``torch.compile``: without the patch every rank raises in backward there too
+(2.13 - 2.15; 2.8 - 2.12 are right), with it gradients equal the reference, fired once per repeat
+output. The paths the patch must leave alone (the group used once, ``aux`` returned, chunked loss
+with one backward and with a backward per chunk): bitwise equal, the same collectives.
 Worlds in one process: threaded ranks and the fake backend.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from _dist_launcher import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "grouped_module_reuse"
+BUG = ck.ex.BUG_OF[PATCH]
 LAUNCH_TIMEOUT_S = 150.0
 STORAGE_RE = re.compile(r"setStorage: .* out of bounds for storage of size 0")
 TOLERANCE = 1e-5  # max |grad - reference|, fp32
@@ -31,6 +33,7 @@ TOLERANCE = 1e-5  # max |grad - reference|, fp32
 REUSE_CASES = ("mtp/2", "mtp2/1", "mtp2/2", "mtp/1/hsdp", "mtp/1/hsdp_rep", "mtp/1/compile")
 UNCHANGED_MODES = ("full", "mtp_return", "chunk_one", "chunk_each")
 UNCHANGED_CASES = tuple(f"{mode}/{micro}" for mode in UNCHANGED_MODES for micro in (1, 2))
+# the repeat-call cases last: without the patch they raise in backward (on every rank alike)
 CASES = UNCHANGED_CASES + REUSE_CASES
 APPLIED = ck.EXPECTED_STATUS[PATCH] == "applied"
 
@@ -38,8 +41,7 @@ APPLIED = ck.EXPECTED_STATUS[PATCH] == "applied"
 @pytest.fixture(scope="module")
 def unpatched():
     return run_ranks(
-        "grouped_module_reuse", args={"cases": list(UNCHANGED_CASES)}, env={ck.ENV[PATCH]: "0"},
-        timeout=LAUNCH_TIMEOUT_S
+        "grouped_module_reuse", args={"cases": list(CASES)}, env={ck.ENV[PATCH]: "0"}, timeout=LAUNCH_TIMEOUT_S
     )
 
 
@@ -86,6 +88,33 @@ def max_grad_error(run, case: str) -> float:
             assert want.norm() > 0, f"{case} {name}: zero reference gradient, a vacuous check"
             worst = max(worst, float((got[name] - want).abs().max()))
     return worst
+
+
+def _storage_error_on_every_rank(run, case: str) -> bool:
+    errors = [ck.error_of(rank, case) for rank in run.ranks]
+    return all(e is not None and e["type"] == "RuntimeError" and STORAGE_RE.search(e["message"]) for e in errors)
+
+
+def _unpatched_outcome(run) -> tuple[str, str]:
+    if all(_storage_error_on_every_rank(run, case) for case in REUSE_CASES):
+        return ck.ex.REPRODUCES, "RuntimeError setStorage ... out of bounds for storage of size 0 (every rank)"
+    if all(_error(run, case) is None for case in REUSE_CASES):
+        worst = max(max_grad_error(run, case) for case in REUSE_CASES)
+        if worst <= TOLERANCE:
+            return ck.ex.FIXED, f"gradients equal the reference (max |diff| {worst:.2g})"
+        return "wrong gradients", f"max |grad - reference| {worst:.3g}"
+    shown = {case: (_error(run, case) or {}).get("message", "ok")[:80] for case in REUSE_CASES}
+    return "other", str(shown)
+
+
+def test_unpatched(unpatched):
+    """2.13 - 2.15: every rank raises in backward; 2.8 - 2.12 keep the group unsharded: right.
+    Judged, not recorded: the matrix's "off" record is the case's."""
+    assert not unpatched.timed_out, unpatched.describe()
+    outcome, detail = _unpatched_outcome(unpatched)
+    assert ck.unpatched_agrees(BUG, outcome), (ck.UNPATCHED[BUG], outcome, detail, unpatched.describe())
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+    unpatched.assert_clean()  # the cases raised, the ranks finished
 
 
 @pytest.mark.parametrize("case", REUSE_CASES)
