@@ -2,16 +2,17 @@
 Its case (``test_dist_cases.py``) shows ``clip_grad_norm_`` over a dense layer on ``("dp",)`` and an
 expert on ``("edp",)``, norm 2, off (the stack refuses two meshes) and on.
 
-Here, with the patch: experts on ``("edp",)`` next to dense parameters on ``("dp",)`` or on a (1, 2)
-HSDP mesh; ``clip_grad_norm_`` (bound before FSDP2 was imported), ``get_total_norm`` +
-``clip_grads_with_norm_`` and ``clip_grads_with_norm_`` alone; norm 2 and inf; foreach None / True /
-False; a plain-tensor gradient next to the DTensors; NaN with ``error_if_nonfinite``: equal to the
-same model on one mesh and to a one-process reference. The one-mesh model runs off and on: torch's
-own result, bit for bit.
+Here: experts on ``("edp",)`` next to dense parameters on ``("dp",)`` or on a (1, 2) HSDP mesh;
+``clip_grad_norm_`` (bound before FSDP2 was imported), ``get_total_norm`` + ``clip_grads_with_norm_``
+and ``clip_grads_with_norm_`` alone; norm 2 and inf; foreach None / True / False; a plain-tensor
+gradient next to the DTensors; NaN with ``error_if_nonfinite``. Off, the stack refuses two meshes on
+every DTensor-only total but the case's; on, equal to the same model on one mesh and to a
+one-process reference. The one-mesh model runs off and on: torch's own result, bit for bit.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -23,7 +24,12 @@ from _dist_launcher import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "clip_grad_norm_multi_mesh"
+BUG = ck.ex.BUG_OF[PATCH]
 LAUNCH_TIMEOUT_S = 150.0
+MESH_RE = re.compile(r"All operands in aten\.stack\.default must have the same mesh")
+# torch 2.9 words the same refusal as a failed propagation whose operands sit on different meshes
+PROPAGATION_RE = re.compile(r"Sharding propagation failed for Op\(op=aten\.stack\.default")
+MESH_DIMS_RE = re.compile(r"DeviceMesh\(\(([^)]*)\)")
 NONFINITE = "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it cannot be clipped."
 GRAD_TOLERANCE = 1e-6  # clipped gradients are O(0.1)
 TOTAL_RTOL = 1e-5  # fp32 summation order: 7.6e-6 on a total of 77.4
@@ -44,12 +50,14 @@ CASE_TRIGGER = "two_1d/clip/2/none/dtensors"  # its case's
 MULTI = tuple(case for layout in ("two_1d", "hsdp_1d") for case in _cases(layout) if case != CASE_TRIGGER)
 ONE_MESH = tuple(_cases("one_mesh"))
 CASES = MULTI + ONE_MESH
+# without the patch: the stack refuses two meshes (where no plain gradient fails torch's foreach first)
+STACK_FAILS = tuple(c for c in MULTI if c.split("/")[1] in ("clip", "split") and c.endswith("/dtensors"))
 
 
 @pytest.fixture(scope="module")
 def unpatched():
     env = {ck.ENV[PATCH]: "0"}
-    return run_ranks("clip_grad_norm_multi_mesh", args={"cases": list(ONE_MESH)}, env=env, timeout=LAUNCH_TIMEOUT_S)
+    return run_ranks("clip_grad_norm_multi_mesh", args={"cases": list(CASES)}, env=env, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +72,33 @@ def _records(run, case: str) -> list[dict]:
 
 def _one_mesh_twin(case: str) -> str:
     return "one_mesh/" + case.split("/", 1)[1]
+
+
+def _refuses_two_meshes(message: str) -> bool:
+    if MESH_RE.search(message):
+        return True
+    return bool(PROPAGATION_RE.search(message)) and len(set(MESH_DIMS_RE.findall(message))) > 1
+
+
+def _stack_error_on_every_rank(run, case: str) -> bool:
+    errors = [record["error"] for record in _records(run, case)]
+    # torch 2.8 raises it as ValueError, 2.13 and 2.15 as RuntimeError
+    return all(e and e["type"] in ("RuntimeError", "ValueError") and _refuses_two_meshes(e["message"]) for e in errors)
+
+
+def test_unpatched(unpatched):
+    """Judged, not recorded: the matrix's "off" record is the case's."""
+    assert not unpatched.timed_out, unpatched.describe()
+    if all(_stack_error_on_every_rank(unpatched, case) for case in STACK_FAILS):
+        outcome = ck.ex.REPRODUCES
+    elif not any(_records(unpatched, case)[0]["error"] for case in STACK_FAILS):
+        outcome = ck.ex.FIXED
+    else:
+        outcome = "other: " + str({c: (_records(unpatched, c)[0]["error"] or {}).get("message") for c in MULTI})
+    assert ck.unpatched_agrees(BUG, outcome), (ck.UNPATCHED[BUG], outcome, unpatched.describe())
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+    unpatched.assert_clean()
+    assert unpatched[0].data["fired"] == 0
 
 
 @pytest.mark.parametrize("case", [c for c in MULTI if not c.endswith("/nan")])
