@@ -1,8 +1,11 @@
-"""post_forward_mesh_cache's variants on 4 gloo ranks, the plugin as installed
-(``_post_forward_mesh_cache_scenarios``, several cases in one launch). Its case (``test_dist_cases.py``)
-shows 8 units with ``reshard_after_forward=2`` off (2 process groups per unit) and on.
+"""post_forward_mesh_cache's variants on 4 gloo ranks (``_post_forward_mesh_cache_scenarios``, several
+cases in one launch), with the patch off and on. Its case (``test_dist_cases.py``) shows 8 units with
+``reshard_after_forward=2`` off (2 process groups per unit) and on; ``units8`` here is the first model
+the other cases build beside, judged with the patch only.
 
-With the patch the units of a world share one post-forward mesh: 2 groups for the first model, then 0
+Without the patch every other case builds its own post-forward meshes too: 2 process groups per unit
+and mesh (16 units -> 32, a second mesh -> 32), and torch's validation gives the errors the patch must
+keep. With the patch the units of a world share one post-forward mesh: 2 groups for the first model, then 0
 for a second model alive beside it, a mesh sliced anew per call, parameters placed on a second mesh
 over the same ranks, new models after the old ones were deleted (which gives no group back); a new
 world gets its own, and ranks whose collectors ran at different times agree. torch's validation of
@@ -16,14 +19,17 @@ import torch
 
 import _dist_checks as ck
 import _post_forward_mesh_cache_scenarios as mc
-from _dist_launcher import RunResult, run_ranks
+from _dist_launcher import RunResult
 
 pytestmark = pytest.mark.timeout(600)
 
 PATCH = "post_forward_mesh_cache"
+BUG = ck.ex.BUG_OF[PATCH]
 LAUNCH_TIMEOUT_S = 240.0  # 4 ranks on a busy 2-core machine: torch import x 4 is most of it
 TRAINED = ("units8", "units16", "uneven_gc")
-# process groups each rank gains per case with the patch (torch alone: 2 per unit and mesh)
+CASE_TRIGGER = "units8"  # 8 units on one mesh: its case's, judged off there
+# process groups each rank gains per case: torch alone (2 per unit and mesh) / with the patch
+WITHOUT = {"second_model": 16, "sliced": 16, "placement": 32, "after_del": 16, "units16": 32, "uneven_gc": 16}
 WITH = {"units8": 2, "second_model": 0, "sliced": 0, "placement": 0, "after_del": 0,
         "units16": 2, "uneven_gc": 0}
 FACTOR = "ValueError: If passing reshard_after_forward as an int, it should be a factor of 4, not {}"
@@ -34,9 +40,7 @@ ERRORS = {
 }
 
 
-@pytest.fixture(scope="module")
-def patched() -> RunResult:
-    return run_ranks("post_forward_mesh_cache", world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
+unpatched, patched = ck.off_and_on("post_forward_mesh_cache", PATCH, world_size=mc.WORLD, timeout=LAUNCH_TIMEOUT_S)
 
 
 def records(run: RunResult, case: str) -> list[dict]:
@@ -73,6 +77,37 @@ def assert_grads_equal_reference(run: RunResult, case: str) -> None:
         for rank, rec in enumerate(recs):
             ck.assert_grads_match(rec[f"grads_{step}"], ref)
             assert set(rec[f"grads_{step}"]) == set(ref), (case, rank, step)
+
+
+def _unpatched_outcome(run: RunResult) -> tuple[str, str]:
+    counts = {case: measured(run, case, "pg_fully_shard") for case in cases(run) if case != CASE_TRIGGER}
+    if counts == {case: WITHOUT[case] for case in counts}:
+        return ck.ex.REPRODUCES, f"process groups per rank: {counts}"
+    if counts == {case: WITH[case] for case in counts}:
+        return ck.ex.FIXED, f"process groups per rank: {counts}"
+    return "other", f"process groups per rank: {counts}"
+
+
+def test_unpatched(unpatched):
+    """Every unit builds its own post-forward mesh in each other case too: the process groups grow with
+    the units and the meshes. Judged, not recorded: the matrix's "off" record is the case's."""
+    assert not unpatched.timed_out, unpatched.describe()
+    unpatched.assert_clean()
+    outcome, detail = _unpatched_outcome(unpatched)
+    assert ck.unpatched_agrees(BUG, outcome), (ck.UNPATCHED[BUG], outcome, detail, unpatched.describe())
+    ck.assert_registry_with_disabled(unpatched, PATCH)
+    for case in cases(unpatched):
+        if case == CASE_TRIGGER:
+            continue
+        units = measured(unpatched, case, "units")
+        meshes_per_unit = 2 if case == "placement" else 1  # weights' mesh and the biases' mesh
+        assert measured(unpatched, case, "post_forward_meshes") == meshes_per_unit * units, case
+    assert measured(unpatched, "after_del", "pg_released_by_del") == 0
+    assert measured(unpatched, "validation", "errors") == ERRORS  # torch's own, kept by the patch
+    for case in TRAINED:
+        if case != CASE_TRIGGER:
+            assert measured(unpatched, case, "pg_training") == 0, case
+            assert_grads_equal_reference(unpatched, case)
 
 
 def test_patched_process_groups_do_not_grow_with_units(patched):
