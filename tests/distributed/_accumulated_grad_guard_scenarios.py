@@ -1,7 +1,8 @@
-"""accumulated_grad_guard scenarios: a unit that never ran forward, under gradient accumulation.
+"""accumulated_grad_guard scenarios: a unit that never runs forward in a whole accumulation step
+(its case's unit runs in the last micro-batch), and the step after.
 
-``grad_guard``: the vision tower of ``TextVisionModel`` (its own unit, as is ``shared``), bf16
-params / fp32 reduce, two micro-batches with sync on the last only. Case ``text_only`` (step 0):
+``accumulated_grad_guard``: the vision tower of ``TextVisionModel`` (its own unit, as is ``shared``), bf16
+params / fp32 reduce, two micro-batches with sync on the last only. Variant ``text_only`` (step 0):
 the tower never runs forward; ``image_last`` (step 1): text-only, then images. See
 ``test_dist_accumulated_grad_guard.py``.
 """

@@ -1,4 +1,5 @@
-"""clip_grad_norm_multi_mesh scenarios (PyTorch issue 180346): gradient clipping over several meshes.
+"""clip_grad_norm_multi_mesh scenarios (PyTorch issue 180346): gradient clipping over several meshes,
+in the ways its case (``clip_grad_norm_``, norm 2, a ``("dp",)`` and an ``("edp",)`` mesh) does not show.
 
 Scenario ``clip_grad_norm_multi_mesh`` (2 gloo ranks; see ``_registry``). The test imports this
 module for the model, the data and the one-process reference.

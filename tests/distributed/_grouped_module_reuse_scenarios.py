@@ -1,4 +1,6 @@
-"""grouped_module_reuse scenarios (PyTorch issue 183702): a grouped unit's module called again.
+"""grouped_module_reuse scenarios (PyTorch issue 183702): a grouped unit's module called again, in
+the ways its case (``mtp`` with one micro-batch on a 1-D mesh) does not show, and the paths the patch
+must leave alone.
 
 Scenario ``grouped_module_reuse`` (2 gloo ranks; ``_rank`` makes the 30 s process group and the
 gloo-AVG workaround of torch 2.8), and the one-process worlds ``grouped_module_reuse:threaded`` and

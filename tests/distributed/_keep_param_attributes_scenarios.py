@@ -1,7 +1,8 @@
 """2-rank scenario for keep_param_attributes: user attributes on parameters across ``fully_shard``.
 
 Scenario ``keep_param_attributes`` (2 gloo ranks; ``_rank`` makes gloo, the CPU mesh and the gloo-AVG
-workaround of torch 2.8). The tests import this module for the model, the marks and the rules.
+workaround of torch 2.8), the plugin as installed: the attribute kinds, stages, grouped unit and CPU
+offload its case does not show. The tests import this module for the model, the marks and the rules.
 
 Model ``AttrsNet``: ``inp = Linear(8, 8)`` (its own unit), ``proj = Linear(8, 8)`` (the root unit,
 no marks), ``norm = LayerNorm(8)`` and ``head = Linear(8, 4)`` (one grouped unit,

@@ -4,8 +4,8 @@
 ``test_dist_restore_hsdp_window.py``, ``test_dist_restore_collectives.py`` and
 ``test_dist_restore_finalization.py``):
 
-- ``restore_unused``: the experts model, AdamW(weight_decay>0); a warm-up step, then expert 2 used by
-  no rank;
+- ``restore_unused``: the experts model, AdamW(weight_decay>0); a warm-up step (the AdamW state its
+  case's fresh optimizer lacks), then expert 2 used by no rank;
 - ``restore_hsdp_window``: an HSDP mesh (2 replicas x 1 shard), the all-reduce deferred on the
   first micro-batch;
 - ``restore_collectives``: how many all-reduces the patch adds per backward, and of what size;

@@ -1,14 +1,12 @@
-"""uniform_reduce_dtype: fp32 accumulated gradients next to bf16 ones in one reduce-scatter.
+"""uniform_reduce_dtype's variant on 2 gloo ranks (``_uniform_reduce_dtype_scenarios``), with the fix
+off and on. Its case (``test_dist_cases.py``) shows a parameter first used in the reducing micro-batch
+(every rank asserts before any collective).
 
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, two micro-batches, no
-gradient sync on the first. Gradients of the first micro-batch are kept as fp32
-accumulations; at the reducing post-backward a parameter still contributes bf16:
-
-* ``late_param``: expert 1 is first used in the last micro-batch (every rank), so the
-  upstream assertion fires on every rank before any collective;
-* ``fill_zero``: the unused-param fill is on and expert 1 is used by rank 0 in the first
-  micro-batch only, so rank 1 reduces the fill's bf16 zero next to fp32 accumulations:
-  the assertion fires on rank 1 only and rank 0 is left in its reduce-scatter.
+``fill_zero``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, two micro-batches, no
+gradient sync on the first, the unused-param fill on; expert 1 is used by rank 0 in the first
+micro-batch only, so rank 1 reduces the fill's bf16 zero next to fp32 accumulations. Without the fix
+(torch <= 2.14) the assertion fires on rank 1 only and rank 0, left in its reduce-scatter, loses its
+peer; with it, fp32 gradients equal the reference on every rank.
 """
 
 from __future__ import annotations
@@ -52,49 +50,39 @@ def _check_grads(run, case, plan):
         assert grads[n].abs().sum() > 0, n
 
 
-def _unpatched_outcome(run) -> tuple[str, str]:
-    late = [_is_dtype_assertion(ck.error_of(r, "late_param")) for r in run.ranks]
+def _unpatched_outcome(run) -> str:
     fill = [_is_dtype_assertion(ck.error_of(r, "fill_zero")) for r in run.ranks]
-    if all(late) and fill == [False, True]:
-        return ck.ex.REPRODUCES, (
-            "AssertionError 'expects uniform gradient dtype' "
-            "(late param: every rank; fill zero: rank 1 only, rank 0 loses its peer)"
-        )
-    if not any(late) and not any(fill):
-        return ck.ex.FIXED, "no assertion, fp32 gradients equal the reference"
-    return "other", f"dtype assertion on late_param ranks {late}, fill_zero ranks {fill}"
+    if fill == [False, True]:
+        return ck.ex.REPRODUCES
+    return ck.ex.FIXED if not any(fill) else f"dtype assertion on fill_zero ranks {fill}"
 
 
-def test_unpatched(unpatched):
-    """torch <= 2.14 asserts; 2.15 removed the assertion and gives the right gradients."""
+def test_unpatched_fill_zero(unpatched):
+    """torch <= 2.14 asserts on rank 1 only; 2.15 removed the assertion and gives the right gradients.
+    Judged, not recorded: the matrix's "off" record is the case's."""
     assert not unpatched.timed_out, unpatched.describe()
-    outcome, detail = _unpatched_outcome(unpatched)
-    ck.expect_unpatched(BUG, outcome, detail, unpatched)
+    outcome = _unpatched_outcome(unpatched)
+    assert ck.unpatched_agrees(BUG, outcome), (ck.UNPATCHED[BUG], outcome, unpatched.describe())
     ck.assert_registry_with_disabled(unpatched, PATCH)
     if outcome == ck.ex.FIXED:
         unpatched.assert_clean()
-        _check_grads(unpatched, "late_param", sc.plan_uniform_late_param)
         _check_grads(unpatched, "fill_zero", sc.plan_uniform_fill_zero)
         return
-    assert "foreach_reduce" in ck.error_of(unpatched[0], "late_param")["traceback"]
     # rank 0's gradients were uniform: it entered the reduce-scatter and lost its peer
     err0 = ck.error_of(unpatched[0], "fill_zero")
     assert not ASSERT_RE.search(err0["message"]), err0
     assert err0["type"] in ("RuntimeError", "DistBackendError"), err0
 
 
-@pytest.mark.parametrize(
-    "case,plan", [("late_param", sc.plan_uniform_late_param), ("fill_zero", sc.plan_uniform_fill_zero)]
-)
-def test_patched_grads_fp32_and_correct(patched, case, plan):
-    if case == "late_param":  # registry check once per run
-        ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})
-    _check_grads(patched, case, plan)
-    ck.observe_patched(BUG, "fp32 gradients equal the reference (late param, fill zero)")
+def test_patched_grads_fp32_and_correct(patched):
+    ck.assert_registry(patched, {PATCH: ck.EXPECTED_STATUS[PATCH]})
+    _check_grads(patched, "fill_zero", sc.plan_uniform_fill_zero)
 
 
-def test_patched_fires_on_the_mixed_dtype_reduce(patched):
-    ck.assert_fired_where_applied(patched, PATCH)
+def test_patched_fires_on_the_mixed_dtype_reduce_only(patched):
+    """Rank 1 alone reduces the fill's bf16 zero next to fp32: the fix acts there only."""
+    applied = ck.EXPECTED_STATUS[PATCH] == "applied"
+    assert ck.fired(patched, PATCH) == ([0, 1] if applied else [0, 0])
 
 
 def test_patched_run_clean(patched):

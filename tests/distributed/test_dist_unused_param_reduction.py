@@ -1,23 +1,23 @@
-"""unused_param_reduction: ranks use different, equally shaped experts in one FSDP unit.
+"""unused_param_reduction's variants on 2 gloo ranks (``_unused_param_reduction_scenarios``). Its case
+(``test_dist_cases.py``) shows ``set_reduce_scatter_unused_params(True)`` with rank r using expert r,
+off (no method before 2.13) and on.
 
-Rank r routes its batch through expert r; expert 2 is used by both ranks, expert 3 by
-none (fp32, one micro-batch). Without the unused-param fill each rank reduce-scatters a
-different parameter list. What really happens on gloo (torch 2.13):
+Here the experts model in one unit: rank r routes its batch through expert r; expert 2 is used by
+both ranks, expert 3 by none (fp32, one micro-batch). Without the unused-param fill each rank
+reduce-scatters a different parameter list. What really happens on gloo (torch 2.13):
 
-* equal sizes (rank r uses expert r): no error at all; the reduce-scatter silently adds
-  rank 0's expert-0 gradient to rank 1's expert-1 gradient;
+* equal sizes (rank r uses expert r), the flag not set: no error at all; the reduce-scatter
+  silently adds rank 0's expert-0 gradient to rank 1's expert-1 gradient;
 * different sizes (rank 0 uses one expert more): gloo aborts the receiving process
   (``gloo::EnforceNotMet ... Received data size doesn't match expected size``, SIGABRT)
   and its peer gets a connection error.
 
-With the fill, every rank holds the global-batch gradient of every expert, i.e. an expert
-used on one rank only gets that rank's gradient divided by the world size.
-
-Three ways to turn the fill on are checked: torch's own API (2.13+), the plugin's
-backport forced on a torch whose API was deleted (simulating torch < 2.13), and the
+With the fill, every rank holds the global-batch gradient of every expert (an expert used on one
+rank only gets that rank's gradient divided by the world size; one no rank used keeps None). Three
+ways to turn the fill on: torch's own API (2.13+: its own fill does the work, not the backport's),
+the plugin's backport forced on a torch whose API was deleted (simulating torch < 2.13), and the
 ``FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1`` policy without any code change.
 """
-
 from __future__ import annotations
 
 import pytest
@@ -30,7 +30,6 @@ from _dist_launcher import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 PATCH = "unused_param_reduction"
-BUG = ck.ex.BUG_OF[PATCH]
 E = {i: (f"experts.{i}.weight", f"experts.{i}.bias") for i in range(4)}
 ALWAYS = ("inp.weight", "inp.bias", "out.weight", "out.bias", *E[2])
 
@@ -39,11 +38,6 @@ ALWAYS = ("inp.weight", "inp.bias", "out.weight", "out.bias", *E[2])
 def native_then_flag_off():
     # flag_off_uneven kills the job, so it comes last
     return run_ranks("unused_param_reduction", args={"modes": ["native", "flag_off", "flag_off_uneven"]})
-
-
-@pytest.fixture(scope="module")
-def unpatched():
-    return run_ranks("unused_param_reduction", args={"modes": ["native"]}, env={ck.ENV[PATCH]: "0"})
 
 
 @pytest.fixture(scope="module")
@@ -138,29 +132,6 @@ def test_flag_off_uneven_sizes_abort(native_then_flag_off):
             assert "Connection" in rec["error"]["message"] or "connection" in rec["error"]["message"]
 
 
-def test_unpatched(unpatched, reference):
-    """Before 2.13 the method does not exist without the backport; from 2.13 torch's own works."""
-    assert not unpatched.timed_out, unpatched.describe()
-    errors = [ck.error_of(rank, "native") for rank in unpatched.ranks]
-    if all(
-        e is not None and e["type"] == "AttributeError" and "set_reduce_scatter_unused_params" in e["message"]
-        for e in errors
-    ):
-        outcome = ck.ex.REPRODUCES
-        detail = (
-            "no set_reduce_scatter_unused_params (AttributeError); without the fill, expert gradients mix across ranks"
-        )
-    elif not any(errors):
-        outcome, detail = ck.ex.FIXED, "torch's own set_reduce_scatter_unused_params: gradients equal the reference"
-    else:
-        outcome, detail = "other", f"errors {errors}"
-    ck.expect_unpatched(BUG, outcome, detail, unpatched)
-    ck.assert_registry_with_disabled(unpatched, PATCH)
-    if outcome == ck.ex.FIXED:
-        unpatched.assert_clean()
-        _check_filled(unpatched, "native", reference)
-
-
 def test_native_api_gives_averaged_gradients(native_then_flag_off, reference):
     """``set_reduce_scatter_unused_params(True)`` as a user calls it: torch's, or the backport."""
     run = native_then_flag_off
@@ -173,8 +144,6 @@ def test_native_api_gives_averaged_gradients(native_then_flag_off, reference):
             assert fills > 0  # torch's own fill did the work
         else:
             assert fills == 0  # torch has no fill: the backport did the work
-    source = "torch's method" if ck.NATIVE_UNUSED_PARAM_API else "the backported method"
-    ck.observe_patched(BUG, f"{source}: every expert's gradient equals the reference")
 
 
 def test_backport_gives_averaged_gradients(backport, reference):
