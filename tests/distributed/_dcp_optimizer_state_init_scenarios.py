@@ -1,4 +1,5 @@
-"""dcp_optimizer_state_init scenario: a DCP save, then a fresh model and optimizer that load it.
+"""dcp_optimizer_state_init scenarios: a DCP save, then a fresh model and optimizer that load it, and
+both runs train on; what its case (``spare`` without a gradient, one step, save, load) does not show.
 
 ``dcp_resume``: ``Net`` (``block`` and ``spare`` their own units, ``head`` in the root's), AdamW
 with weight decay; ``spare`` is in no rank's forward. Each case saves
@@ -12,7 +13,6 @@ after the last step.
 * ``fill_resume``: the unused-param fill on (``set_reduce_scatter_unused_params(True)``); 2 steps,
   save, 1 more step. ``spare``'s gradient is ``None`` (restore_unused_param_grads), so AdamW has no
   state for it at the save;
-* ``no_grad_resume``: the fill off: ``spare`` never has a gradient (PyTorch issue 192202);
 * ``step0``: the save before the first ``optimizer.step()``; 3 steps after the load, against 3 steps
   of a run that never checkpointed (PyTorch issue 164929).
 
@@ -32,7 +32,7 @@ from _registry import scenario
 
 PATCH = "dcp_optimizer_state_init"
 HIDDEN = 16
-CASES = ("fill_resume", "no_grad_resume", "step0")
+CASES = ("fill_resume", "step0")
 
 
 class Net(nn.Module):

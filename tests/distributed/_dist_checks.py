@@ -179,14 +179,14 @@ def assert_plugin_off(run: RunResult) -> None:
         assert not any(p["status"] == "applied" for p in ap["patches"]), ap
 
 
-def run_compiling(scenario: str, env: dict[str, str], timeout: float) -> RunResult:
-    """``run_ranks`` of a scenario that compiles: the test skips, saying why, where torch.compile
-    cannot run (the scenario saves ``compile_unavailable``)."""
+def run_compiling(scenario: str, env: dict[str, str], timeout: float, **launch: Any) -> RunResult:
+    """``run_ranks`` of a scenario that compiles (``launch``: its other arguments): the test skips,
+    saying why, where torch.compile cannot run (the scenario saves ``compile_unavailable``)."""
     import pytest
 
     from _dist_launcher import run_ranks
 
-    run = run_ranks(scenario, env=env, timeout=timeout)
+    run = run_ranks(scenario, env=env, timeout=timeout, **launch)
     reason = next((r.data.get("compile_unavailable") for r in run.ranks if r.data), None)
     if reason:
         pytest.skip(f"torch.compile is unavailable here: {reason}")

@@ -1,70 +1,50 @@
-"""gradient_divide_factor_single_rank scenario: ``set_gradient_divide_factor`` on a one-rank shard group.
+"""gradient_divide_factor_single_rank scenarios: the paths around its case (fp32 force-sum on an HSDP
+``(2, 1)`` mesh, a one-rank shard group), on the case's model and batch.
 
-``divide_factor_single_rank``: 2 gloo ranks; ``Sequential(Linear(8, 16), ReLU, Linear(16, 4))``
-with ``fully_shard`` on both Linears and the root, ``set_gradient_divide_factor(FACTOR)`` on
-every FSDP module (the setter acts on the module's own parameters only), one backward of this
-rank's batch; the full gradients recorded per case:
+2 gloo ranks; ``fully_shard`` on both Linears and the root, ``set_gradient_divide_factor(FACTOR)`` on
+every FSDP module (the setter acts on the module's own parameters only), one backward of this rank's
+batch; the full gradients recorded per variant:
 
-* ``hsdp_2x1_sum``: HSDP mesh ``(2, 1)`` (replicate 2, shard 1: one-rank shard group),
-  ``set_force_sum_reduction_for_comms(True)`` on every module, fp32 (the bug);
-* ``hsdp_2x1_fp16``: the same mesh, ``reduce_dtype=float16`` (the sum path without force-sum);
-* ``shard_1x2_sum`` / ``shard_1x2_fp16``: the same on mesh ``(1, 2)`` (a 2-rank shard group: torch
-  is right there);
+* ``hsdp_2x1_fp16``: HSDP mesh ``(2, 1)``, ``reduce_dtype=float16`` (the sum path without force-sum:
+  divided twice too);
+* ``shard_1x2_sum`` / ``shard_1x2_fp16``: the case and the fp16 variant on mesh ``(1, 2)`` (a 2-rank
+  shard group: torch is right there);
 * ``hsdp_2x1_default``: mesh ``(2, 1)``, the factor without force-sum (the PREMUL_SUM path, whose
   reduce-scatter the dividing one-rank copy replaces: torch is right there; last, since releases
   without that copy may raise in it: gloo has no PREMUL_SUM reduce-scatter).
 
-Right: each equals the one-process reference (sum over the ranks' gradients / FACTOR).
+Right: each equals the case's one-process reference (sum over the ranks' gradients / FACTOR).
 See ``test_dist_gradient_divide_factor_single_rank.py``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
-from _dist_common import Ctx, _randn, grads_full
+from _dist_common import Ctx, grads_full
 from _registry import scenario
+from fsdp_autopatch.cases import gradient_divide_factor_single_rank as case
+from fsdp_autopatch.cases._common import rank_batch, sum_loss
 
-FACTOR = 4.0
-BATCH_SEED = 900
-MODEL_SEED = 4321
+FACTOR = case.FACTOR
 DIM_NAMES = ("replicate", "shard")
-# case -> (mesh shape, force sum, reduce dtype)
+# variant -> (mesh shape, force sum, reduce dtype)
 CASES = {
-    "hsdp_2x1_sum": ((2, 1), True, None),
     "hsdp_2x1_fp16": ((2, 1), False, torch.float16),
     "shard_1x2_sum": ((1, 2), True, None),
     "shard_1x2_fp16": ((1, 2), False, torch.float16),
     "hsdp_2x1_default": ((2, 1), False, None),
 }
-BUGGY = ("hsdp_2x1_sum", "hsdp_2x1_fp16")  # the ones a one-rank copy divides twice
-TWIN = {"hsdp_2x1_sum": "shard_1x2_sum", "hsdp_2x1_fp16": "shard_1x2_fp16"}
-
-
-def build() -> nn.Module:
-    torch.manual_seed(MODEL_SEED)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _randn(BATCH_SEED + rank, 6, 8), _randn(BATCH_SEED + 50 + rank, 6, 4)
-
-
-def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+BUGGY = ("hsdp_2x1_fp16",)  # the one a one-rank copy divides twice
+TWIN = {"hsdp_2x1_fp16": "shard_1x2_fp16"}
 
 
 def reference_grads(world_size: int = 2) -> dict[str, torch.Tensor]:
-    """One process: the sum of every rank's gradient, divided by FACTOR (what the factor means)."""
-    model = build()
-    for rank in range(world_size):
-        loss(model, rank_batch(rank)).backward()
-    return {name: param.grad / FACTOR for name, param in model.named_parameters()}
+    """The case's one process: the sum of every rank's gradient, divided by FACTOR."""
+    return {name: torch.tensor(grad) for name, grad in case.reference(world_size)["grads"].items()}
 
 
-def _shard(model: nn.Module, mesh, force_sum: bool, reduce_dtype) -> None:
+def _shard(model: torch.nn.Module, mesh, force_sum: bool, reduce_dtype) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
@@ -82,10 +62,10 @@ def sc_divide_factor_single_rank(ctx: Ctx) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     meshes = {shape: init_device_mesh("cpu", shape, mesh_dim_names=DIM_NAMES) for shape in ((2, 1), (1, 2))}
-    for case, (shape, force_sum, reduce_dtype) in CASES.items():
-        with ctx.case(case, continue_on_error=True) as rec:
-            model = build()
+    for variant, (shape, force_sum, reduce_dtype) in CASES.items():
+        with ctx.case(variant, continue_on_error=True) as rec:
+            model = case._model()
             _shard(model, meshes[shape], force_sum, reduce_dtype)
             rec["shard_group_size"] = meshes[shape]["shard"].size()
-            loss(model, rank_batch(ctx.rank)).backward()
+            sum_loss(model, rank_batch(ctx.rank)).backward()
             rec["full_grads"] = grads_full(model)

@@ -1,18 +1,18 @@
-"""inference_mode_first_forward scenario: an evaluation under ``torch.inference_mode()`` before the
-first training step.
+"""inference_mode_first_forward scenarios: an evaluation under ``torch.inference_mode()`` before the
+first training step, in the configurations its case (fp32, resharding units) does not show.
 
 Scenario ``inference_mode_first_forward`` (2 gloo ranks). The model: ``Net``, a ``Linear(8, 5)`` unit
 (``fully_shard(net.inp)``: 5 rows over 2 ranks, so padded) and the root's ``Linear(5, 4)``; AdamW
 built right after ``fully_shard``. Each sequence: one evaluation forward under ``<mode>``, then 2
 training steps (forward, ``loss.backward()``, ``step``, gradients recorded, ``zero_grad``).
 
-Configurations (``<config>``): ``fp32/reshard`` and ``bf16/reshard`` (``reshard_after_forward=True``;
-bf16 ``param_dtype``, fp32 ``reduce_dtype``), ``fp32/keep`` and ``bf16/keep``
+Configurations (``<config>``): ``bf16/reshard`` (``reshard_after_forward=True``; bf16
+``param_dtype``, fp32 ``reduce_dtype``), ``fp32/keep`` and ``bf16/keep``
 (``reshard_after_forward=False``), ``hsdp/fp32`` (an HSDP mesh ``(2, 1)``: a shard group of one
 rank, FSDP2's copy without all-gather). Cases ``<mode>/<config>``, modes ``inference`` (the bug)
-and ``no_grad`` (its reference: what the patch must reproduce); control ``control/after_step`` (one
-training step first, then the evaluation under ``inference_mode``, then a step: the buffers exist
-already, the patch must not act). Each case records the evaluation's output, the full parameters
+and ``no_grad`` (its reference: what the patch must reproduce); control ``control/after_step``
+(fp32, resharding: one training step first, then the evaluation under ``inference_mode``, then a
+step: the buffers exist already, the patch must not act). Each case records the evaluation's output, the full parameters
 after the steps, the last step's full gradients and the plugin's fired count after it. See
 ``test_dist_inference_mode_first_forward.py``.
 """
@@ -30,7 +30,7 @@ from _registry import scenario
 NAME = "inference_mode_first_forward"
 BATCH_SEED = 930
 HIDDEN = 5  # uneven over 2 ranks: padded shards
-CONFIGS = ("fp32/reshard", "bf16/reshard", "fp32/keep", "bf16/keep", "hsdp/fp32")
+CONFIGS = ("bf16/reshard", "fp32/keep", "bf16/keep", "hsdp/fp32")
 BUG_CASES = tuple(f"inference/{config}" for config in CONFIGS)
 REFERENCES = tuple(f"no_grad/{config}" for config in CONFIGS)
 CONTROLS = ("control/after_step",)

@@ -1,4 +1,5 @@
-"""sac_prefetched_unit scenario (NeMo Automodel issue 3958): SAC over an FSDP2 unit unsharded before it.
+"""sac_prefetched_unit scenarios (NeMo Automodel issue 3958): SAC over an FSDP2 unit unsharded before
+it, the ways its case (``l1.unshard()`` before the region) does not show.
 
 Scenario ``sac_prefetched_unit`` (2 gloo ranks). The model: a root with three ``Linear(8, 8)``
 units ``l0``, ``l1``, ``l2`` (each ``fully_shard``-ed, then the root); ``l1`` runs inside a region
@@ -8,7 +9,6 @@ user ops FSDP2 also dispatches (``split``, ``cat``, ``view``). Two SGD steps (lr
 
 Cases (``POLICY``: save ``aten.mm`` / ``aten.addmm``, recompute the rest, unless named):
 
-- ``unshard``: ``model.l1.unshard()`` before the region, in each forward;
 - ``prefetch``: ``model.l0.set_modules_to_forward_prefetch([model.l1])``;
 - ``save_all``: no prefetch, a policy saving every op (the silent variant: without the patch the
   recompute takes FSDP2's cached copy-out and the gradients are wrong);
@@ -32,7 +32,7 @@ NAME = "sac_prefetched_unit"
 BATCH_SEED = 930
 STEPS = 2
 LR = 0.1
-CASES = ("unshard", "prefetch", "save_all", "control")
+CASES = ("prefetch", "save_all", "control")
 
 
 def policy(kind: str):
@@ -50,7 +50,6 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.l0, self.l1, self.l2 = nn.Linear(sc.DIM, sc.DIM), nn.Linear(sc.DIM, sc.DIM), nn.Linear(sc.DIM, sc.DIM)
-        self.trigger: str | None = None  # "unshard": l1.unshard() before the region
         self.policy: str | None = None  # None: no checkpointing (the one-process reference)
 
     def block(self, h: torch.Tensor) -> torch.Tensor:
@@ -60,8 +59,6 @@ class Net(nn.Module):
         return z * 2 + h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.trigger == "unshard":
-            self.l1.unshard()
         h = self.l0(x)
         if self.policy is None:
             h = self.block(h)
@@ -108,7 +105,6 @@ def sc_sac_prefetched_unit(ctx: sc.Ctx) -> None:
         with ctx.case(case, continue_on_error=True) as rec:
             model = build()
             model.policy = "save_all" if case == "save_all" else "mm"
-            model.trigger = "unshard" if case == "unshard" else None
             for unit in (model.l0, model.l1, model.l2, model):
                 fully_shard(unit, mesh=ctx.mesh)
             if case == "prefetch":

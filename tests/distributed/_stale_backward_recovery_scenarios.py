@@ -1,4 +1,6 @@
-"""stale_backward_recovery scenario: the steps after a backward that raised on every rank.
+"""stale_backward_recovery scenarios: the steps after a backward that raised on every rank, in the
+recovery loops its case (``zero_grad`` after the exception, then train on) does not show, and the
+healthy loops the fix must leave alone.
 
 ``stale_backward``: ``Net`` (``fc0`` and ``fc1`` their own units, ``head`` in the root's), plain
 SGD. Every case starts from the same weights; each step's batch is ``rank_batch(rank, step)``.
@@ -6,12 +8,11 @@ SGD. Every case starts from the same weights; each step's batch is ``rank_batch(
 Failure cases (step 0's backward raises ``RuntimeError("injected")`` on every rank, from a tensor
 hook on the activation between ``fc0`` and ``fc1``; the loop catches it and trains steps 1 and 2):
 
-* ``failed``: ``optimizer.zero_grad(set_to_none=True)`` after the exception, as recovery loops do;
 * ``failed_kept_grads``: no ``zero_grad`` (the failed backward reduced ``fc1``'s gradient);
 * ``failed_reset``: ``zero_grad`` and torch's own ``model.reset_iter_state()``;
 * ``failed_hand_reset``: ``zero_grad`` and every ``_training_state`` set to IDLE by hand;
-* ``failed_manual`` (torch with ``set_manual_backward_finalization``): the same as ``failed`` with
-  manual finalization on, ``finalize_backward()`` after each healthy backward.
+* ``failed_manual`` (torch with ``set_manual_backward_finalization``): ``zero_grad`` after the
+  exception (the case's loop) with manual finalization on, ``finalize_backward()`` after each healthy backward.
 
 For each trained step: the local shard of each sharded parameter's gradient (``None`` if none) and
 the local weights after ``optimizer.step()``.
@@ -36,7 +37,7 @@ PATCH = "stale_backward_recovery"
 BATCH_SEED = 900
 HIDDEN = 16
 LR = 0.1
-FAILED = ("failed", "failed_kept_grads", "failed_reset", "failed_hand_reset", "failed_manual")
+FAILED = ("failed_kept_grads", "failed_reset", "failed_hand_reset", "failed_manual")
 HEALTHY = ("accumulation", "two_losses", "two_forwards", "checkpointed", "manual")
 MANUAL = ("failed_manual", "manual")
 
