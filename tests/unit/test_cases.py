@@ -77,6 +77,43 @@ def test_a_cuda_case_is_unmet_off_cuda_and_a_missing_package_is_named(monkeypatc
     assert "CUDA" not in on_cuda and "pip install no_such_package_fsdp_autopatch" in on_cuda
 
 
+def test_a_case_without_strikes_at_strikes_and_runs_at_every_size(monkeypatch):
+    _stand_in(monkeypatch, run=None)
+    assert cases.at_world_size("x", 1) == cases.at_world_size("x", 8) == (True, True, "")
+
+
+def test_a_cases_strikes_at_decides_where_it_runs_and_none_means_the_default(monkeypatch):
+    def strikes_at(world_size):
+        return (False, False, "2 ranks") if world_size < 2 else None
+
+    _stand_in(monkeypatch, run=None, strikes_at=strikes_at)
+    assert cases.at_world_size("x", 1) == (False, False, "2 ranks")
+    assert cases.at_world_size("x", 2) == (True, True, "")
+
+
+def test_the_world_size_rules_the_cases_declare():
+    """The GPU check runs at the machine's world size; these cases say where their bug strikes."""
+    assert cases.at_world_size("unused_param_reduction", 1)[:2] == (False, True)
+    assert "ranks cannot disagree" in cases.at_world_size("unused_param_reduction", 1)[2]
+    assert cases.at_world_size("clip_grad_norm_cpu_offload", 1)[:2] == (False, True)
+    assert cases.at_world_size("restore_unused_param_grads", 1)[:2] == (True, True)
+    assert "on_forced_sync" in cases.at_world_size("restore_unused_param_grads", 1)[2]
+    for size in (1, 2, 3, 5):  # 1 < reshard_after_forward=2 < shard size on an even mesh only
+        can, runs, why = cases.at_world_size("post_forward_mesh_cache", size)
+        assert (can, runs) == (False, False) and why.endswith(f"4 or more ranks (k=2), not {size}: not run")
+    for name in cases.NAMES:  # two ranks suffice for every other bug; 4 for all
+        assert cases.at_world_size(name, 4) == cases.at_world_size(name, 6) == (True, True, ""), name
+        assert cases.at_world_size(name, 2) == (True, True, "") or name == "post_forward_mesh_cache"
+
+
+def test_the_gpu_checks_plan_names_no_entry():
+    """Where a bug strikes is its case's data (``strikes_at``), not a branch of the GPU check's plan."""
+    from fsdp_autopatch._gpu_check import _plan
+
+    source = Path(_plan.__file__).read_text()
+    assert [name for name in cases.NAMES if f'"{name}"' in source] == []
+
+
 def test_verdict_prints_a_guard_error_whole_and_a_crash_as_wrong(monkeypatch):
     _stand_in(monkeypatch, None)
     message = "fsdp-autopatch guard g: ...\nset FSDP_AUTOPATCH_G_ENABLED=0."

@@ -50,10 +50,13 @@ def test_the_plan_runs_every_case_by_entry_name() -> None:
     names = [e.name for e in _catalogue.ENTRIES if e.kind != _catalogue.POLICY and e.name in cases.NAMES]
     assert [p.name for p in _plan.PATCHES] == names
     launches = _plan.plan("cpu", 2, {"cases": []})
-    # post_forward_mesh_cache needs 4 or more ranks; a case whose NEEDS the CPU lacks (CUDA) is skipped
-    assert launches[0].cases == [n for n in names if n != "post_forward_mesh_cache" and cases.unmet(n, "cpu") is None]
+    # a case whose world-size rule (strikes_at: post_forward_mesh_cache needs 4 or more ranks) or whose
+    # NEEDS the CPU lacks (CUDA) says so is skipped
+    at_two = [n for n in names if cases.at_world_size(n, 2)[1]]
+    assert "post_forward_mesh_cache" not in at_two
+    assert launches[0].cases == [n for n in at_two if cases.unmet(n, "cpu") is None]
     on_cuda = _plan.plan("cuda", 2, {"cases": []})[0].cases
-    assert on_cuda == [n for n in names if n != "post_forward_mesh_cache"]
+    assert on_cuda == at_two
     assert "clip_grad_norm_cpu_offload" in on_cuda and "clip_grad_norm_cpu_offload" not in launches[0].cases
     off = next(x for x in launches if x.name == "uniform_reduce_dtype off")
     assert off.cases == ["uniform_reduce_dtype"] and off.env == {_catalogue.toggle_for("uniform_reduce_dtype"): "0"}

@@ -79,24 +79,11 @@ COMPILE_STEPS = 3  # recompiles show from the second step on
 
 def strikes(name: str, world_size: int, device: str = "cpu") -> tuple[bool, bool, str]:
     """(can entry ``name``'s bug strike at this world size on ``device``, is its case run, why not /
-    what instead)."""
+    what instead): its case's ``NEEDS``, then the world sizes its case declares (``cases.at_world_size``)."""
     unmet = cases.unmet(name, device)
     if unmet:
         return False, False, f"{unmet}: not run"
-    if name == "unused_param_reduction" and world_size < 2:
-        return (False, True, "one rank issues the only reduce-scatter, so ranks cannot disagree; run instead: "
-                "the fill's method exists (torch's from 2.13, the backport before) and gives the right gradients")
-    if name == "post_forward_mesh_cache" and (world_size < 4 or world_size % 2):
-        return (False, False, f"needs 1 < reshard_after_forward < shard size, i.e. an even mesh of 4 or more "
-                f"ranks (k=2), not {world_size}: not run")
-    if name == "clip_grad_norm_cpu_offload" and world_size < 2:
-        return (False, True, "a mesh of one rank has no partial norm to reduce (DTensor skips its collective), "
-                "so the missing CPU backend is never asked for; run instead: CPU-offloaded clipping on NCCL gives "
-                "the one-process values and the fix leaves torch's path alone")
-    if name == "restore_unused_param_grads" and world_size < 2:
-        return (True, True, "strikes (the fill zero-fills at any size); at one rank the usage flags have no peer, "
-                "so the flag all-reduce and its host sync do not run (see the cost's on_forced_sync)")
-    return True, True, ""
+    return cases.at_world_size(name, world_size)
 
 
 def agrees(expected: str, bug_seen: bool) -> bool | None:

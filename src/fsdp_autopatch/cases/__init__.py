@@ -16,7 +16,11 @@ this package) and holds:
   record against ``tests/expected.py`` with their own tolerances;
 - optionally ``NEEDS``: what the run needs beyond torch, a tuple of ``"cuda"`` (a CUDA device and
   NCCL: the bug exists only there) and importable module names (``"peft"``). Where one is missing
-  (:func:`unmet`), the tests, the demo and the GPU check skip the case and say why.
+  (:func:`unmet`), the tests, the demo and the GPU check skip the case and say why;
+- optionally ``strikes_at(world_size) -> (strikes, runs, why)``, for a bug that does not strike at
+  every world size: whether it can strike at ``world_size``, whether the GPU check (which runs at the
+  machine's size) runs the case there all the same, and why not or what a run there shows instead;
+  ``None`` where it strikes and runs with nothing to say (:func:`at_world_size`).
 
 A raw record and a reference are JSON values (the demo's and the GPU check's ranks write JSON):
 ``"grads"`` (the full gradients, ``{name: nested list}``), ``"params"`` (the full weights after the
@@ -57,6 +61,14 @@ def unmet(name: str, device: str = "cpu") -> str | None:
         elif importlib.util.find_spec(need) is None:
             missing.append(f"the {need!r} package (pip install {need})")
     return f"{name}'s case needs " + " and ".join(missing) if missing else None
+
+
+def at_world_size(name: str, world_size: int) -> tuple[bool, bool, str]:
+    """(can entry ``name``'s bug strike at ``world_size`` ranks, is its case run there, why not / what
+    instead): its case's ``strikes_at``; by default it strikes and runs at every size."""
+    rule = getattr(load(name), "strikes_at", None)
+    said = rule(world_size) if rule is not None else None
+    return said if said is not None else (True, True, "")
 
 
 def run_case(name: str, rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
@@ -109,4 +121,4 @@ def judge(record: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, str]
     return judge_against_reference(record, reference)
 
 
-__all__ = ["NAMES", "error_record", "error_text", "judge", "load", "run_case", "unmet", "verdict"]
+__all__ = ["NAMES", "at_world_size", "error_record", "error_text", "judge", "load", "run_case", "unmet", "verdict"]

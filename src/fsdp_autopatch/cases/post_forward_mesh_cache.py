@@ -24,6 +24,14 @@ WHAT = (
 MESH_UNITS = 8
 
 
+def strikes_at(world_size: int) -> tuple[bool, bool, str] | None:
+    """The bug needs an even mesh of 4 or more ranks; elsewhere the case is not run."""
+    if world_size < 4 or world_size % 2:
+        return (False, False, f"needs 1 < reshard_after_forward < shard size, i.e. an even mesh of 4 or more "
+                f"ranks (k=2), not {world_size}: not run")
+    return None
+
+
 def _linear_stack():
     import torch
     from torch import nn

@@ -16,6 +16,14 @@ WHAT = (
 UNUSED = "experts.2."  # the expert no rank runs
 
 
+def strikes_at(world_size: int) -> tuple[bool, bool, str] | None:
+    """It strikes at every size; at one rank part of the fix's cost does not run (said, for the step cost)."""
+    if world_size < 2:
+        return (True, True, "strikes (the fill zero-fills at any size); at one rank the usage flags have no peer, "
+                "so the flag all-reduce and its host sync do not run (see the cost's on_forced_sync)")
+    return None
+
+
 def _model():
     return experts(3)
 
