@@ -57,6 +57,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import _case_needs as case_needs
 import _matrix_verdict as verdict
 import _wheel
 from _matrix_report import EXPECTED, docs_refusal, log, markdown, python_markdown, report_only, update_docs
@@ -64,10 +65,9 @@ from _pythons import python_version, resolve_python
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = tuple(verdict.default_releases())  # the default: every release tests/expected.py has measured
-# expecttest: torch.testing._internal needs it; peft and transformers: peft_generate_forward_method's case
-# and variants (its NEEDS; skipped where they are missing: transformers 5 needs Python >= 3.10)
-PEFT_PACKAGES = ("transformers>=5.24,<6; python_version >= '3.10'", "peft>=0.17,<1; python_version >= '3.10'")
-TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy", "expecttest", *PEFT_PACKAGES)
+# expecttest: torch.testing._internal needs it; then every package a case's NEEDS names, as pyproject's
+# examples extra pins it (peft and transformers: peft_generate_forward_method's case and variants)
+TEST_PACKAGES = ("pytest>=7", "pytest-timeout>=2", "numpy", "expecttest", *case_needs.requirements())
 INSTALL_TIMEOUT = 45 * 60
 REGISTRY_TIMEOUT = 10 * 60
 TESTS_TIMEOUT = 60 * 60

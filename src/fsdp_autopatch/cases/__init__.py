@@ -16,7 +16,9 @@ this package) and holds:
   record against ``tests/expected.py`` with their own tolerances;
 - optionally ``NEEDS``: what the run needs beyond torch, a tuple of ``"cuda"`` (a CUDA device and
   NCCL: the bug exists only there) and importable module names (``"peft"``). Where one is missing
-  (:func:`unmet`), the tests, the demo and the GPU check skip the case and say why;
+  (:func:`unmet`), the tests, the demo and the GPU check skip the case and say why. A package need
+  (named as its distribution) has its requirement in ``pyproject.toml``'s ``examples`` extra, from
+  which the development venv and the compatibility matrix's venvs install it (``scripts/_case_needs.py``);
 - optionally ``strikes_at(world_size) -> (strikes, runs, why)``, for a bug that does not strike at
   every world size: whether it can strike at ``world_size``, whether the GPU check (which runs at the
   machine's size) runs the case there all the same, and why not or what a run there shows instead;
