@@ -14,7 +14,9 @@ One launcher for ``fsdp-autopatch demo`` (``fsdp_autopatch.demo``) and the multi
 * the tail of each rank's output.
 
 The caller owns the directory the ranks write their logs (and results) to, and reads what it
-needs before removing it. Nothing here imports torch or the rest of the package.
+needs before removing it. Nothing here imports torch or the rest of the package. What the ranks of
+the demo and of ``fsdp-autopatch gpu-check`` do the same way (their watchdog, process group, error
+record and JSON result) is :mod:`fsdp_autopatch._rank_side`.
 """
 
 from __future__ import annotations
