@@ -110,8 +110,9 @@ def test_a_rank_that_raises_reports_it_and_one_that_overstays_is_ended_by_its_wa
                          port=_launch.free_port(), logs=tmp_path, timeout_s=40, cwd=tmp_path)
     assert time.monotonic() - started < 20 and not run.timed_out and not run.killed
     assert [r.returncode for r in run.ranks] == [_rank_side.WATCHDOG_EXIT, _rank_side.FAILED_EXIT], run
-    assert not (tmp_path / "rank0.json").exists()  # ended by its watchdog: no result, the parent says so
-    error = json.loads((tmp_path / "rank1.json").read_text())["error"]
+    watched, failed = _launch.rank_results(tmp_path, 2)
+    assert watched is None  # ended by its watchdog: no result, the parent says so
+    error = failed["error"]
     assert list(error) == ["type", "message", "where", "traceback"]
     assert (error["type"], error["message"], error["where"]) == ("ValueError", "rank 1 failed", "work")
     assert "in work\nValueError: rank 1 failed" in error["traceback"] and not list(tmp_path.glob("*.tmp"))

@@ -20,23 +20,14 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .._rank_side import (
-    end_process_group,
-    error_record,
-    ignore_view_output_warning,
-    init_process_group,
-    registry_snapshot,
-    run_then_exit,
-    start_watchdog,
-    write_json,
-)
+from .. import _rank_side as rank_side
 
 
 def _plugin_state(loaded_before_import: bool) -> dict[str, Any]:
     """What the plugin says in this rank (an error is reported, and judged by the parent);
     ``loaded_before_import``: its bootstrap was imported at interpreter start (by the .pth), before
     this program imported anything."""
-    report = registry_snapshot()
+    report = rank_side.registry_snapshot()
     if "error" in report:
         return {"loaded_by_startup": loaded_before_import, "error": report["error"]}
     import fsdp_autopatch
@@ -55,11 +46,11 @@ class Results:
         self.save()
 
     def save(self) -> None:
-        write_json(self.path, self.data)
+        rank_side.write_json(self.path, self.data)
 
 
 def _error(exc: BaseException) -> dict[str, str]:
-    return error_record(exc, message_chars=2000, traceback_chars=3000)
+    return rank_side.error_record(exc, message_chars=2000, traceback_chars=3000)
 
 
 def _run_case(name: str, func, ctx, results: Results) -> None:
@@ -95,14 +86,14 @@ def main(argv: list[str] | None = None) -> NoReturn:
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--cost-json", default="")
     args = parser.parse_args(argv)
-    start_watchdog(args.deadline, name="gpu-check-watchdog")
+    rank_side.start_watchdog(args.deadline, name="gpu-check-watchdog")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = Results(Path(args.out) / f"rank{rank}.json", rank)
     results.save()
     loaded_before = "_fsdp_autopatch_bootstrap" in sys.modules  # what the .pth imports at start-up
     # a failed setup is reported to the parent; the rank's "where" stays where it failed
-    run_then_exit(lambda: _body(args, rank, world_size, results, loaded_before), results.data,
-                  lambda code: results.at("done" if code == 0 else results.data["where"]), _error)
+    rank_side.run_then_exit(lambda: _body(args, rank, world_size, results, loaded_before), results.data,
+                            lambda code: results.at("done" if code == 0 else results.data["where"]), _error)
 
 
 def _body(args, rank: int, world_size: int, results: Results, loaded_before: bool) -> None:
@@ -111,7 +102,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
 
     from ._net import Ctx
 
-    ignore_view_output_warning()
+    rank_side.ignore_view_output_warning()
     results.data["plugin"] = _plugin_state(loaded_before)
     results.data["torch"] = torch.__version__
     if args.device == "cuda":
@@ -124,7 +115,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
         torch.set_num_threads(1)  # the ranks share the machine's cores
         device = torch.device("cpu")
     results.at("init_process_group")
-    results.data["backend"] = init_process_group(args.pg_timeout, device)
+    results.data["backend"] = rank_side.init_process_group(args.pg_timeout, device)
     ctx = Ctx(rank, world_size, device, args.compile_backend)
     from ._compile import CASES as COMPILE_CASES
     from ._entries import case_for
@@ -141,7 +132,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
         except Exception as exc:
             results.data["cost"] = {"error": _error(exc), "where": results.data["where"]}
     results.at("barrier")
-    end_process_group()
+    rank_side.end_process_group()
 
 
 if __name__ == "__main__":

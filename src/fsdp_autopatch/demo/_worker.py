@@ -13,16 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from .._rank_side import (
-    end_process_group,
-    error_record,
-    ignore_view_output_warning,
-    init_process_group,
-    registry_snapshot,
-    run_then_exit,
-    start_watchdog,
-    write_json,
-)
+from .. import _rank_side as rank_side
 from ..cases._common import full_grad_tensors, full_param_tensors
 from ._checks import check_gradients, check_loss, check_unused_expert
 from ._model import (
@@ -156,20 +147,20 @@ def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[st
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)  # two ranks share two cores
-    ignore_view_output_warning()  # no output is modified in place here
+    rank_side.ignore_view_output_warning()  # no output is modified in place here
     if rank == 0:
-        result["registry"] = registry_snapshot()
+        result["registry"] = rank_side.registry_snapshot()
         result["torch"] = torch.__version__
     lap("import")
     progress.at("init_process_group")
-    init_process_group(PG_TIMEOUT_S)
+    rank_side.init_process_group(PG_TIMEOUT_S)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     progress.at("fully_shard")
     model = _shard(build_model(), mesh)
     result["fill"] = _enable_fill(model, scenario)
     lap("setup")
     run = _train(model, rank, progress)
-    end_process_group()
+    rank_side.end_process_group()
     lap("train")
     if rank == 0:
         progress.at("checking invariants")
@@ -191,9 +182,10 @@ def run_rank_process(body: Callable[[dict[str, Any], Progress], None], rank: int
                      deadline_s: float) -> NoReturn:
     """One demo rank: a watchdog, ``body(result, progress)``, then ``<out_dir>/rank<r>.json`` (its
     result or its error, with where the rank was and when) and the exit."""
-    start_watchdog(deadline_s, name="demo-watchdog")
+    rank_side.start_watchdog(deadline_s, name="demo-watchdog")
     progress = Progress(Path(out_dir) / f"rank{rank}.where")
     result: dict[str, Any] = {"rank": rank, "error": None}
-    run_then_exit(lambda: body(result, progress), result,
-                  lambda code: write_json(Path(out_dir) / f"rank{rank}.json", result),
-                  lambda exc: error_record(exc, where=progress.where, time=time.time()))
+    path = Path(out_dir) / f"rank{rank}.json"
+    rank_side.run_then_exit(lambda: body(result, progress), result,
+                            lambda code: rank_side.write_json(path, result),
+                            lambda exc: rank_side.error_record(exc, where=progress.where, time=time.time()))
