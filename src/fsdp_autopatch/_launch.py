@@ -1,7 +1,7 @@
 """Start the ranks of a CPU gloo job as fresh interpreters, bounded in time: standard library only.
 
-One launcher for ``fsdp-autopatch demo`` (``fsdp_autopatch.demo``) and the multi-rank tests
-(``tests/distributed/_dist_launcher.py``), so that both keep the same guarantees:
+One launcher for ``fsdp-autopatch demo`` (``fsdp_autopatch.demo``), ``fsdp-autopatch gpu-check``
+and the multi-rank tests (``tests/distributed/_dist_launcher.py``), so that all keep the same guarantees:
 
 * a free rendezvous port on 127.0.0.1, and :func:`retry_on_taken_port` when another process took
   it between the probe and rank 0's bind (the probe socket is closed before the ranks start);
@@ -11,14 +11,17 @@ One launcher for ``fsdp-autopatch demo`` (``fsdp_autopatch.demo``) and the multi
 * each rank in its own session, killed as a whole process group when the job overstays its
   timeout (or the grace after a first failed rank), and after it finished too: no rank and no
   grandchild survives :func:`launch`;
-* the tail of each rank's output.
+* the tail of each rank's output, and the JSON result each rank left (:func:`rank_results`).
 
 The caller owns the directory the ranks write their logs (and results) to, and reads what it
-needs before removing it. Nothing here imports torch or the rest of the package.
+needs before removing it. Nothing here imports torch or the rest of the package. What the ranks of
+the demo and of ``fsdp-autopatch gpu-check`` do the same way (their watchdog, process group, error
+record and JSON result) is :mod:`fsdp_autopatch._rank_side`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -220,6 +223,17 @@ def _wait(procs: list[subprocess.Popen], deadline: float, fail_grace_s: float | 
             return "grace"
         time.sleep(_POLL_S)
     return None
+
+
+def rank_results(folder: Path, world_size: int) -> list[dict | None]:
+    """Each rank's ``folder/rank<r>.json`` (as ``_rank_side.write_json`` wrote it), None where it left none."""
+    results: list[dict | None] = []
+    for rank in range(world_size):
+        try:
+            results.append(json.loads((folder / f"rank{rank}.json").read_text()))
+        except (OSError, ValueError):  # the rank died before its first result
+            results.append(None)
+    return results
 
 
 def kill_group(proc: subprocess.Popen) -> None:

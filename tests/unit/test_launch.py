@@ -1,4 +1,5 @@
-"""The shared rank launcher (``_launch``) on torch-free ranks, and the demo package's import contract.
+"""The shared rank launcher (``_launch``) and its rank side (``_rank_side``) on torch-free ranks, and
+the demo package's import contract.
 
 The launcher's timeout and port retry through ``tests/distributed/_dist_launcher.run_ranks`` are in
 ``tests/distributed/test_dist_launcher.py``; here: what only the demo uses (the grace after a
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from fsdp_autopatch import _launch
+from fsdp_autopatch import _launch, _rank_side
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,6 +90,32 @@ def test_a_taken_port_is_retried_on_a_new_one_until_the_attempts_run_out():
     assert _launch.retry_on_taken_port(attempt, _launch.port_taken, attempts=2,
                                        port_source=lambda: next(ports)).endswith("in use")
     assert seen == [2001, 2002]
+
+
+RANK_SIDE = (
+    "import os, sys, time; from pathlib import Path; from fsdp_autopatch import _rank_side as side\n"
+    "side.start_watchdog(float(sys.argv[1]))\n"
+    "result = {'rank': int(os.environ['RANK'])}\n"
+    "def work():\n"
+    "    if result['rank'] == 1: raise ValueError('rank 1 failed')\n"
+    "    time.sleep(30)\n"
+    "side.run_then_exit(work, result, lambda code: side.write_json(Path(f'rank{result[\"rank\"]}.json'), result),\n"
+    "                   lambda exc: side.error_record(exc, where='work'))\n"
+)
+
+
+def test_a_rank_that_raises_reports_it_and_one_that_overstays_is_ended_by_its_watchdog(tmp_path):
+    started = time.monotonic()
+    run = _launch.launch(lambda rank: [sys.executable, "-c", RANK_SIDE, "2"], world_size=2,
+                         port=_launch.free_port(), logs=tmp_path, timeout_s=40, cwd=tmp_path)
+    assert time.monotonic() - started < 20 and not run.timed_out and not run.killed
+    assert [r.returncode for r in run.ranks] == [_rank_side.WATCHDOG_EXIT, _rank_side.FAILED_EXIT], run
+    watched, failed = _launch.rank_results(tmp_path, 2)
+    assert watched is None  # ended by its watchdog: no result, the parent says so
+    error = failed["error"]
+    assert list(error) == ["type", "message", "where", "traceback"]
+    assert (error["type"], error["message"], error["where"]) == ("ValueError", "rank 1 failed", "work")
+    assert "in work\nValueError: rank 1 failed" in error["traceback"] and not list(tmp_path.glob("*.tmp"))
 
 
 def test_the_demo_imports_without_torch_and_its_cli_is_unchanged():

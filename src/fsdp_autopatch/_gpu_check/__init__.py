@@ -4,8 +4,9 @@ printed table. The options are the CLI's (``fsdp_autopatch._cli``); the driver i
 
 This interpreter is probed in a fresh process (its ``.pth`` must activate this very plugin), then
 ranks of it are launched with the package's launcher (``fsdp_autopatch._launch``) as
-``python -m fsdp_autopatch._gpu_check._rank``, each launch with a process-group timeout inside the
-ranks and an outer timeout, all under one overall time guard:
+``python -m fsdp_autopatch._gpu_check._rank`` (on the rank side shared with the demo,
+``fsdp_autopatch._rank_side``), each launch with a process-group timeout inside the ranks and an outer
+timeout, all under one overall time guard:
 
 1. every patch's bug case that can strike at this world size (its case module,
    ``fsdp_autopatch.cases.<entry>``), with the plugin on, and with that patch disabled by its

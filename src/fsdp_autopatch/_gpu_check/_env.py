@@ -105,13 +105,7 @@ def launch_ranks(launch, *, device: str, world_size: int, timeout_s: float,
         lambda port: launcher.launch(command, world_size=world_size, port=port, logs=logs, timeout_s=timeout_s,
                                      env=env, fail_grace_s=15.0, merge_stderr=True, cwd=logs, tail_lines=25),
         lambda result: any(launcher.port_taken(r.stdout) for r in result.ranks), attempts=2)
-    ranks = []
-    for rank in range(world_size):
-        path = logs / f"rank{rank}.json"
-        try:
-            ranks.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            ranks.append(None)
+    ranks = launcher.rank_results(logs, world_size)
     return {
         "name": launch.name, "cases": launch.cases, "env": launch.env, "seconds": round(done.elapsed_s, 1),
         "timeout_s": round(timeout_s), "timed_out": done.timed_out, "killed": done.killed,

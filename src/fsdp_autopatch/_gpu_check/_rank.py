@@ -16,38 +16,25 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
-import traceback
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-
-def _watchdog(deadline_s: float) -> None:
-    parent, started = os.getppid(), time.monotonic()
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent or time.monotonic() - started > deadline_s:
-                os._exit(4)
-
-    threading.Thread(target=watch, name="gpu-check-watchdog", daemon=True).start()
+from .. import _rank_side as rank_side
 
 
 def _plugin_state(loaded_before_import: bool) -> dict[str, Any]:
-    """What the plugin says in this rank; ``loaded_before_import``: its bootstrap was imported at
-    interpreter start (by the .pth), before this program imported anything."""
-    try:
-        import fsdp_autopatch
+    """What the plugin says in this rank (an error is reported, and judged by the parent);
+    ``loaded_before_import``: its bootstrap was imported at interpreter start (by the .pth), before
+    this program imported anything."""
+    report = rank_side.registry_snapshot()
+    if "error" in report:
+        return {"loaded_by_startup": loaded_before_import, "error": report["error"]}
+    import fsdp_autopatch
 
-        report = fsdp_autopatch.status().to_dict()
-        return {"loaded_by_startup": loaded_before_import, "file": fsdp_autopatch.__file__,
-                "bootstrap": report.get("bootstrap"), "torch": report.get("torch"),
-                "statuses": {p["name"]: p["status"] for p in report["patches"]}}
-    except Exception as exc:  # reported, and judged by the parent
-        return {"loaded_by_startup": loaded_before_import, "error": f"{type(exc).__name__}: {exc}"}
+    return {"loaded_by_startup": loaded_before_import, "file": fsdp_autopatch.__file__,
+            "bootstrap": report.get("bootstrap"), "torch": report.get("torch"),
+            "statuses": {p["name"]: p["status"] for p in report["patches"]}}
 
 
 class Results:
@@ -59,13 +46,11 @@ class Results:
         self.save()
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, default=str))
-        tmp.replace(self.path)
+        rank_side.write_json(self.path, self.data)
 
 
 def _error(exc: BaseException) -> dict[str, str]:
-    return {"type": type(exc).__name__, "message": str(exc).strip()[:2000], "traceback": traceback.format_exc()[-3000:]}
+    return rank_side.error_record(exc, message_chars=2000, traceback_chars=3000)
 
 
 def _run_case(name: str, func, ctx, results: Results) -> None:
@@ -91,7 +76,7 @@ def _run_case(name: str, func, ctx, results: Results) -> None:
     results.save()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
     parser.add_argument("--cases", default="")
@@ -101,33 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--cost-json", default="")
     args = parser.parse_args(argv)
-    _watchdog(args.deadline)
+    rank_side.start_watchdog(args.deadline, name="gpu-check-watchdog")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = Results(Path(args.out) / f"rank{rank}.json", rank)
     results.save()
     loaded_before = "_fsdp_autopatch_bootstrap" in sys.modules  # what the .pth imports at start-up
-    code = 0
-    try:
-        code = _body(args, rank, world_size, results, loaded_before)
-    except BaseException as exc:  # setup failed: the parent reports it
-        results.data["error"] = _error(exc)
-        code = 3
-    results.at("done" if code == 0 else results.data["where"])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # a failed rank must not block in a process group's teardown
+    # a failed setup is reported to the parent; the rank's "where" stays where it failed
+    rank_side.run_then_exit(lambda: _body(args, rank, world_size, results, loaded_before), results.data,
+                            lambda code: results.at("done" if code == 0 else results.data["where"]), _error)
 
 
-def _body(args, rank: int, world_size: int, results: Results, loaded_before: bool) -> int:
-    from datetime import timedelta
-
+def _body(args, rank: int, world_size: int, results: Results, loaded_before: bool) -> None:
     import torch
-    import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401  -- the plugin's hook applies the patches here
 
     from ._net import Ctx
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    rank_side.ignore_view_output_warning()
     results.data["plugin"] = _plugin_state(loaded_before)
     results.data["torch"] = torch.__version__
     if args.device == "cuda":
@@ -140,11 +115,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
         torch.set_num_threads(1)  # the ranks share the machine's cores
         device = torch.device("cpu")
     results.at("init_process_group")
-    options: dict[str, Any] = {"timeout": timedelta(seconds=args.pg_timeout)}
-    if args.device == "cuda":
-        options["device_id"] = device
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **options)
-    results.data["backend"] = str(dist.get_backend())
+    results.data["backend"] = rank_side.init_process_group(args.pg_timeout, device)
     ctx = Ctx(rank, world_size, device, args.compile_backend)
     from ._compile import CASES as COMPILE_CASES
     from ._entries import case_for
@@ -161,9 +132,7 @@ def _body(args, rank: int, world_size: int, results: Results, loaded_before: boo
         except Exception as exc:
             results.data["cost"] = {"error": _error(exc), "where": results.data["where"]}
     results.at("barrier")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    rank_side.end_process_group()
 
 
 if __name__ == "__main__":

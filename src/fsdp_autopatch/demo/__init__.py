@@ -65,7 +65,8 @@ Implementation: stdlib only at import time; torch is imported inside the rank pr
 Modules: ``_model`` (shape, model, data, loss), ``_scenarios`` (what each sub-run disables, its
 timeouts), ``_worker`` and ``_checks`` (the rank side: training, rank 0's invariants), ``_subrun``
 (the parent side of a sub-run, on the launcher shared with the tests, ``fsdp_autopatch._launch``),
-``_judges`` (did each bug reproduce) and ``_report`` (what is printed).
+``_judges`` (did each bug reproduce) and ``_report`` (what is printed); what a rank does as the GPU
+check's ranks do (watchdog, process group, error record, JSON result) is ``fsdp_autopatch._rank_side``.
 """
 
 from __future__ import annotations

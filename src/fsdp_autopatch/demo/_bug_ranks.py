@@ -8,40 +8,35 @@ right value. torch is imported inside functions.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
-def bug_worker_main(bug: str, rank: int, out_dir: str, deadline_s: float) -> int:
+def bug_worker_main(bug: str, rank: int, out_dir: str, deadline_s: float) -> NoReturn:
     """One rank of ``demo --bug``: write ``<out_dir>/rank<r>.json`` (result or error), then exit."""
-    from ._worker import Progress, run_reported, start_watchdogs
+    from ._worker import run_rank_process
 
-    start_watchdogs(deadline_s)
-    progress = Progress(Path(out_dir) / f"rank{rank}.where")
-    return run_reported(lambda result: result.update(_show(bug, rank, progress)), rank, out_dir, progress)
+    run_rank_process(lambda result, progress: result.update(_show(bug, rank, progress)), rank, out_dir, deadline_s)
 
 
 def _show(bug: str, rank: int, progress) -> dict[str, Any]:
     import os
-    from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401  -- the patches are applied on this import
 
+    from .._rank_side import end_process_group, init_process_group
     from ._scenarios import PG_TIMEOUT_S
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
     progress.at("init_process_group")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    init_process_group(PG_TIMEOUT_S)
     progress.at(bug)
     from .. import cases
 
     world_size = int(os.environ["WORLD_SIZE"])
     record = cases.run_case(bug, rank, world_size)
     progress.at("barrier")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
     if rank != 0:
         return {"right": True, "value": ""}
     progress.at("reference")

@@ -7,7 +7,6 @@ wrong, likely cause first, and :func:`describe_failure` says it in one line.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._launch import launch, port_taken, retry_on_taken_port
+from .._launch import launch, port_taken, rank_results, retry_on_taken_port
 from ._model import WORLD_SIZE
 from ._scenarios import FAIL_GRACE_S, RUN_TIMEOUT_S, Scenario
 
@@ -110,10 +109,7 @@ def _run_once(scenario: Scenario, timeout_s: float, port: int, bug: str, world_s
             world_size=world_size, port=port, logs=out, timeout_s=timeout_s,
             env=scenario.env, keep=KEEP_ENV, fail_grace_s=FAIL_GRACE_S, merge_stderr=True,
             tail_chars=None, tail_lines=OUTPUT_TAIL_LINES)
-        ranks = []
-        for rank in range(world_size):
-            report = out / f"rank{rank}.json"
-            ranks.append(json.loads(report.read_text()) if report.exists() else None)
+        ranks = rank_results(out, world_size)
         wheres = [_read(out / f"rank{rank}.where") or "startup" for rank in range(world_size)]
     # The demo stopped waiting (its timeout, or the grace after a failed rank) iff it killed a rank.
     return RunResult(scenario, time.monotonic() - start, [r.returncode for r in run.ranks], ranks,

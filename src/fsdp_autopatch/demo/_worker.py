@@ -9,16 +9,11 @@ patches are installed.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import threading
 import time
-import traceback
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NoReturn
 
+from .. import _rank_side as rank_side
 from ..cases._common import full_grad_tensors, full_param_tensors
 from ._checks import check_gradients, check_loss, check_unused_expert
 from ._model import (
@@ -48,30 +43,6 @@ class Progress:
     def at(self, where: str) -> None:
         self.where = where
         self.path.write_text(where)
-
-
-def start_watchdogs(deadline_s: float) -> None:
-    """Exit if the demo's parent dies or the run overstays its budget: never leave an orphan."""
-    parent = os.getppid()
-    started = time.monotonic()
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent or time.monotonic() - started > deadline_s:
-                os._exit(4)
-
-    threading.Thread(target=watch, name="demo-watchdog", daemon=True).start()
-
-
-def _registry_snapshot() -> dict[str, Any]:
-    """fsdp_autopatch.status() as JSON, after torch's FSDP2 was imported (hook has run)."""
-    try:
-        import fsdp_autopatch
-
-        return fsdp_autopatch.status().to_dict()
-    except Exception as exc:  # the registry is informative only: never fail the demo on it
-        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _ensure_installed() -> str:
@@ -171,31 +142,25 @@ def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[st
         clock = now
 
     result["install_note"] = _ensure_installed()  # before torch, like the .pth would
-    from datetime import timedelta
-
     import torch
-    import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401  -- the patches are applied on this import
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)  # two ranks share two cores
-    # torch 2.13 warns whenever an FSDP unit returns a view (any nn.Linear on a 3-D input does):
-    # harmless here, no output is modified in place.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    rank_side.ignore_view_output_warning()  # no output is modified in place here
     if rank == 0:
-        result["registry"] = _registry_snapshot()
+        result["registry"] = rank_side.registry_snapshot()
         result["torch"] = torch.__version__
     lap("import")
     progress.at("init_process_group")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    rank_side.init_process_group(PG_TIMEOUT_S)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     progress.at("fully_shard")
     model = _shard(build_model(), mesh)
     result["fill"] = _enable_fill(model, scenario)
     lap("setup")
     run = _train(model, rank, progress)
-    dist.barrier()
-    dist.destroy_process_group()
+    rank_side.end_process_group()
     lap("train")
     if rank == 0:
         progress.at("checking invariants")
@@ -207,32 +172,20 @@ def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[st
         lap("check")
 
 
-def worker_main(scenario_key: str, rank: int, out_dir: str, deadline_s: float) -> int:
+def worker_main(scenario_key: str, rank: int, out_dir: str, deadline_s: float) -> NoReturn:
     """Run one rank of ``scenario_key`` and write its report; exits the process (never returns)."""
-    start_watchdogs(deadline_s)
     scenario = SCENARIOS[scenario_key]
+    run_rank_process(lambda result, progress: _run_rank(scenario, rank, progress, result), rank, out_dir, deadline_s)
+
+
+def run_rank_process(body: Callable[[dict[str, Any], Progress], None], rank: int, out_dir: str,
+                     deadline_s: float) -> NoReturn:
+    """One demo rank: a watchdog, ``body(result, progress)``, then ``<out_dir>/rank<r>.json`` (its
+    result or its error, with where the rank was and when) and the exit."""
+    rank_side.start_watchdog(deadline_s, name="demo-watchdog")
     progress = Progress(Path(out_dir) / f"rank{rank}.where")
-    return run_reported(lambda result: _run_rank(scenario, rank, progress, result), rank, out_dir, progress)
-
-
-def run_reported(body, rank: int, out_dir: str, progress: Progress) -> int:
-    """Run ``body(result)``, write ``<out_dir>/rank<r>.json`` (its result or its error), exit."""
     result: dict[str, Any] = {"rank": rank, "error": None}
-    code = 0
-    try:
-        body(result)
-    except BaseException as exc:  # report every failure, including a gloo error, to the parent
-        result["error"] = {
-            "type": type(exc).__name__,
-            "message": str(exc).strip(),
-            "where": progress.where,
-            "time": time.time(),
-            "traceback": traceback.format_exc()[-4000:],
-        }
-        code = 3
     path = Path(out_dir) / f"rank{rank}.json"
-    path.write_text(json.dumps(result, default=str))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # A failed rank exits at once: tearing down gloo after a failed collective can block.
-    os._exit(code)
+    rank_side.run_then_exit(lambda: body(result, progress), result,
+                            lambda code: rank_side.write_json(path, result),
+                            lambda exc: rank_side.error_record(exc, where=progress.where, time=time.time()))
