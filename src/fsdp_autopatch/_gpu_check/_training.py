@@ -32,8 +32,8 @@ def _unused_text(unused: dict[str, Any]) -> str:
 
 
 def _train_flavour(ctx: Ctx, *, compiled: bool = False, offload: bool = False) -> dict[str, Any]:
-    """The first four bugs at once, as the demo's model meets them: a tower skipped by the text-only
-    micro-batch (a), ranks with different experts (b, from 2 ranks), fp32-accumulated gradients
+    """The first four bugs at once, as the demo's model meets them: a vision tower skipped by the text-only
+    micro-batches (a), ranks with different experts (b, from 2 ranks), fp32-accumulated gradients
     next to bf16 zeros of the fill (c), an expert no rank used (d); bf16 params, fp32 reduce."""
     plan = four_bugs.plan(ctx.world_size)
     model = four_bugs.shard(four_bugs.build_model(), ctx.mesh(), offload=offload,
@@ -66,7 +66,7 @@ def case_train_compile(ctx: Ctx) -> dict[str, Any]:
     counters.clear()
     result = _train_flavour(ctx, compiled=True)
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    result["value"] = (f"torch.compile(backend={ctx.compile_backend!r}) of the tower and MoE blocks: {graphs} "
+    result["value"] = (f"torch.compile(backend={ctx.compile_backend!r}) of the vision and MoE blocks: {graphs} "
                        f"graphs compiled, {breaks} graph breaks; " + result["value"])
     result["right"] = result["right"] and graphs > 0
     return result
