@@ -2,7 +2,10 @@
 
 Two gloo ranks on CPU train a small mixture-of-experts stack: 8 blocks, each its own FSDP unit
 (LayerNorm, 4 expert Linears, an output Linear: 12 parameters), plus a root unit with the head,
-so 9 FSDP units and 98 parameters. bf16 parameters with fp32 reduction. Two cases:
+so 9 FSDP units and 98 parameters. bf16 parameters with fp32 reduction. The model, its data, the
+step and the alternation are the wheel's step-cost module (``fsdp_autopatch._gpu_check._cost``),
+which ``fsdp-autopatch gpu-check`` times on a GPU; this script adds its CPU probes and the report.
+Two cases:
 
   fill_off  nothing unused, no ``set_reduce_scatter_unused_params``; 2 micro-batches per step
             (gradient accumulation), so every wrapper the patches install is on the hot path.
@@ -34,15 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-N_BLOCKS = 8
-N_EXPERTS = 4
-DIM = 128
-TOKENS = 64
-ROUTES = {  # case -> rank -> experts used in every block
-    "fill_off": {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)},
-    "fill_on": {0: (0, 1), 1: (0, 2)},  # expert 1 unused on rank 1, 2 on rank 0, 3 everywhere
-}
-MICRO_BATCHES = {"fill_off": 2, "fill_on": 1}
+# the model, data, step and alternation: the wheel's step-cost module (fsdp_autopatch._gpu_check._cost)
+SPEC = {"dim": 128, "experts": 4, "blocks": 8, "tokens": 64}
 _COLLECTIVES = (  # ProcessGroup methods that torch.distributed's collectives end up in
     "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
     "all_gather_single", "all_gather_single_coalesced", "allgather_into_tensor_coalesced",
@@ -81,45 +77,6 @@ class _Counter:
             return original(pg, *args, **kwargs)
 
         return counted
-
-
-def _build(case: str, mesh, rank: int):
-    import torch
-    from torch import nn
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(DIM)
-            self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(N_EXPERTS))
-            self.out = nn.Linear(DIM, DIM)
-
-        def forward(self, x, experts):
-            h = self.norm(x)
-            y = sum(self.experts[e](h) for e in experts)
-            return x + self.out(torch.relu(y))
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(N_BLOCKS))
-            self.head = nn.Linear(DIM, DIM)
-
-        def forward(self, x, experts):
-            for block in self.blocks:
-                x = block(x, experts)
-            return self.head(x)
-
-    torch.manual_seed(0)
-    model = Model()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    if case == "fill_on":
-        model.set_reduce_scatter_unused_params(True)
-    return model
 
 
 def _probe_bytes(groups) -> tuple[int, int]:
@@ -308,7 +265,6 @@ def _wrapper_cost(model, one_step, case: str) -> dict:
 
 
 def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
-    import time
     from datetime import timedelta
 
     import torch
@@ -317,18 +273,16 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
 
     import fsdp_autopatch
     from fsdp_autopatch import _activate
+    from fsdp_autopatch._gpu_check import _cost as cost
     from fsdp_autopatch.patches import restore_unused_param_grads as restore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _build(case, mesh, rank)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = cost.build_stack(SPEC, mesh, "cpu", fill=case == "fill_on")
     n_params = sum(1 for _ in model.parameters())
     n_units = sum(1 for m in model.modules() if hasattr(m, "_get_fsdp_state"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    data = torch.randn(MICRO_BATCHES[case], TOKENS, DIM, generator=torch.Generator().manual_seed(rank))
-    experts = ROUTES[case][rank]
     counter = _Counter()
     counter.install()
 
@@ -343,17 +297,13 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
 
     restore.restore_unused = measuring_restore
 
-    def one_step() -> None:
-        for micro, batch in enumerate(data):
-            model.set_requires_gradient_sync(micro == len(data) - 1)
-            loss = model(batch, experts).float().pow(2).mean()
-            counter.active = True
-            loss.backward()
-            counter.active = False
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def counted_backward(loss) -> None:
+        counter.active = True
+        loss.backward()
+        counter.active = False
 
-    variants = ("patched", "unpatched") if mode == "inprocess" else (mode,)
+    one_step = cost.make_step(SPEC, case, model, rank, world_size, "cpu", backward=counted_backward)
+    variants = ["patched", "unpatched"] if mode == "inprocess" else [mode]
     results = {v: {"times": [], "calls": {}, "steps_counted": 0, "leftover": []} for v in variants}
 
     def set_variant(variant: str) -> None:
@@ -364,32 +314,26 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
         else:
             _activate.revert_all()
 
-    for block in range(blocks):
-        order = variants if block % 2 == 0 else variants[::-1]
-        for variant in order:
-            set_variant(variant)
-            one_step()  # warm-up after a switch: not timed, not counted
-            dist.barrier()
-            times, cpu_times = [], []
-            counter.calls = {}
-            for _ in range(steps):
-                start, cpu_start = time.perf_counter(), time.process_time()
-                one_step()
-                times.append(time.perf_counter() - start)
-                # this rank's CPU time (all its threads): unlike the wall clock, it leaves out the
-                # time the rank waited for a core, which dominates on a loaded machine
-                cpu_times.append(time.process_time() - cpu_start)
-            res = results[variant]
-            res["times"] += times
-            res.setdefault("cpu_times", []).extend(cpu_times)
-            res.setdefault("block_medians", []).append(statistics.median(times))
-            res.setdefault("cpu_block_medians", []).append(statistics.median(cpu_times))
-            for name, per_pg in counter.calls.items():
-                for pg, calls in per_pg.items():
-                    res["calls"].setdefault(name, {}).setdefault(pg, 0)
-                    res["calls"][name][pg] += calls
-            res["steps_counted"] += steps
-            res["leftover"] = sorted(set(res["leftover"]) | set(_leftover_attributes(model)))
+    def run_block(_: int, variant: str) -> None:
+        set_variant(variant)
+        one_step()  # warm-up after a switch: not timed, not counted
+        dist.barrier()
+        counter.calls = {}
+        timed = cost.timed_steps(one_step, steps, cuda=False)
+        times, cpu_times = [t / 1e3 for t in timed["host"]], [t / 1e3 for t in timed["cpu"]]
+        res = results[variant]
+        res["times"] += times
+        res.setdefault("cpu_times", []).extend(cpu_times)
+        res.setdefault("block_medians", []).append(statistics.median(times))
+        res.setdefault("cpu_block_medians", []).append(statistics.median(cpu_times))
+        for name, per_pg in counter.calls.items():
+            for pg, calls in per_pg.items():
+                res["calls"].setdefault(name, {}).setdefault(pg, 0)
+                res["calls"][name][pg] += calls
+        res["steps_counted"] += steps
+        res["leftover"] = sorted(set(res["leftover"]) | set(_leftover_attributes(model)))
+
+    cost.alternate(variants, blocks, run_block)
     set_variant("patched")
     wrapper_cost = _wrapper_cost(model, one_step, case)
     if rank == 0:
@@ -400,7 +344,7 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
                     "applied": list(fsdp_autopatch.applied()) if mode != "unpatched" else [],
                     "params": n_params,
                     "units": n_units,
-                    "micro_batches": len(data),
+                    "micro_batches": cost.MICRO_BATCHES[case],
                     "probe_peak": peak,
                     "wrapper_cost": wrapper_cost,
                     "variants": results,
@@ -533,7 +477,7 @@ def main() -> int:
         worker(case, mode, int(blocks), int(steps), out)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=["fill_off", "fill_on"], choices=sorted(ROUTES))
+    parser.add_argument("--cases", nargs="+", default=["fill_off", "fill_on"], choices=["fill_off", "fill_on"])
     parser.add_argument("--blocks", type=int, default=16, help="alternations of patched/unpatched blocks")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--mode", choices=["inprocess", "env"], default="inprocess",

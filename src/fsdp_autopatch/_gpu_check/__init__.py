@@ -13,13 +13,14 @@ timeout, all under one overall time guard:
    variable (``_entries``);
 2. a training run meeting the first four bugs at once (bf16 params, fp32 reduce), eager, with
    per-block ``torch.compile`` and, on CUDA, with ``CPUOffloadPolicy(pin_memory=True)``, plugin on
-   and off (``FSDP_AUTOPATCH_ENABLED=0``; ``_training``, ``_net``);
+   and off (``FSDP_AUTOPATCH_ENABLED=0``; ``_training``: the demo's training, ``cases._four_bugs``);
 3. Dynamo's counters per compile mode (whole model ``torch.compile``, blocks ``.compile()``d after
    ``fully_shard``, torchtitan's order), plugin on and off (``FSDP_AUTOPATCH_ENABLED=0``): graph
    breaks, recompiles, graphs and frames compiled, and whether the final weights are bitwise equal
    (``_compile``); skipped, saying why, where the time guard is short or torch.compile cannot run;
 4. the step cost, plugin off against on, with the unused-param fill off and on, alternating blocks
-   in one process (CUDA events on a GPU), with the restore's host sync and peak memory (``_cost``).
+   in one process (CUDA events on a GPU), with the restore's host sync and peak memory (``_cost``, whose
+   model, step and alternation ``bench/step_overhead.py`` also uses).
 
 With ``--expected PATH`` (a checkout's ``tests/expected.py``) the plugin-off results are compared
 with what it says for this torch (differences are findings); without it they are recorded only.

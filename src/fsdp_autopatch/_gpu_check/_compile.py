@@ -1,12 +1,12 @@
 """Rank side of ``fsdp-autopatch gpu-check``: dynamo's counters per compile mode, one case per mode,
 run with the plugin on and, in a separate launch, off (``FSDP_AUTOPATCH_ENABLED=0``), as the
 training flavours are. The modes (``_plan.COMPILE_MODES``), on the training flavours' MoE network
-(``_net``: tower, moe, root; bf16 params, fp32 reduce):
+(the demo's, ``cases._four_bugs``: vision, moe, root; bf16 params, fp32 reduce):
 
 * ``compile_whole``: ``torch.compile(model)`` after ``fully_shard``: Dynamo traces the units' FSDP2
   hooks, where torch hides its own functions (``_hiding``: a wrapper of ours there must be hidden the
   same way, or it adds graph breaks and recompiles);
-* ``compile_units``: each block (tower, moe: the units below the root) ``.compile()``d after
+* ``compile_units``: each block (vision, moe: the units below the root) ``.compile()``d after
   ``fully_shard`` (``nn.Module.compile``: the unit's hooks run inside its compiled call, so a wrapper
   of ours there that Dynamo does not skip is compiled as a frame of its own); the root stays eager
   (compiling it too gives the whole model's counts, measured);
@@ -33,10 +33,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import _net as net
-from ._net import Ctx, Micro
+from ..cases import _four_bugs as four_bugs
+from ._net import Ctx
 from ._plan import COMPILE_MODES, COMPILE_STEPS
-from ._training import _seed
 
 REASONS = 5  # the most frequent graph-break and recompile reasons kept per mode
 
@@ -137,12 +136,12 @@ def digest(params: dict[str, Any]) -> str:
 
 
 def _model(mode: str, ctx: Ctx):
-    model = net.build(True)
+    model = four_bugs.build_model()
     if mode == "compile_torchtitan":
-        return net.shard(model, ctx, compiled=True, fullgraph=True)
-    net.shard(model, ctx)
+        return four_bugs.shard(model, ctx.mesh(), compile_backend=ctx.compile_backend, fullgraph=True)
+    four_bugs.shard(model, ctx.mesh())
     if mode == "compile_units":
-        for unit in (model.tower, model.moe):
+        for unit in (model.vision, model.moe):
             unit.compile(backend=ctx.compile_backend)
         return model
     return torch.compile(model, backend=ctx.compile_backend)
@@ -154,9 +153,9 @@ def _case(mode: str) -> Callable[[Ctx], dict[str, Any]]:
         if why:
             return {"right": True, "value": f"not run: {why}", "unavailable": why}
         _reset()
-        every = tuple(range(net.N_EXPERTS))  # every rank uses every parameter: no bug strikes
-        plan = [[Micro(_seed(r, 0), True, every), Micro(_seed(r, 1), True, every)] for r in range(ctx.world_size)]
-        trained = net.train(_model(mode, ctx), ctx, plan, COMPILE_STEPS, fill=False, tower=True, reference=False)
+        # every rank runs every expert and the vision tower in every micro-batch: no bug strikes
+        plan = four_bugs.plan(ctx.world_size, 2, every_expert=True, images=lambda index: True)
+        trained = four_bugs.train(_model(mode, ctx), plan[ctx.rank], COMPILE_STEPS, ctx.device)
         found = counters()
         value = (f"{found['graph_breaks']} graph breaks, {found['recompiles']} recompiles, "
                  f"{found['unique_graphs']} graphs, {found['frames']} frames")

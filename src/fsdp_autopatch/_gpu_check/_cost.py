@@ -1,9 +1,10 @@
-"""Rank side of ``fsdp-autopatch gpu-check``: the step cost of the plugin, off against on, side by side
-in one process, alternating blocks of steps (the order flips every round).
+"""The step cost of the plugin, off against on, side by side in one process, alternating blocks of
+steps (the order flips every round): the rank side of ``fsdp-autopatch gpu-check``'s cost, and the
+model, data, step and alternation that ``bench/step_overhead.py`` (2 gloo ranks on CPU) measures with.
 
-The model is ``bench/step_overhead.py``'s MoE stack at a size the caller picks (tens of
-milliseconds per step on a GPU): blocks of LayerNorm, experts and an output Linear, each block an
-FSDP unit, bf16 parameters with fp32 reduction, AdamW. Two cases:
+The model is an MoE stack at a size the caller picks (:func:`build_stack`; tens of milliseconds per
+step on a GPU): blocks of LayerNorm, experts and an output Linear, each block an FSDP unit, bf16
+parameters with fp32 reduction, AdamW. Two cases:
 
 * ``fill_off``: every expert used, 2 micro-batches per step (gradient accumulation);
 * ``fill_on``: ``set_reduce_scatter_unused_params(True)``, ranks use different experts and the last
@@ -28,7 +29,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,13 @@ from torch import nn
 
 from ._net import Ctx
 
+COST_CASES = ("fill_off", "fill_on")
+MICRO_BATCHES = {"fill_off": 2, "fill_on": 1}  # fill_on: with accumulation the plugin-off run would assert
 
-def _model(spec: dict[str, Any], ctx: Ctx, fill: bool):
+
+def build_stack(spec: dict[str, Any], mesh, device, fill: bool):
+    """The MoE stack of ``spec`` (``dim``, ``experts``, ``blocks``) on ``device``, each block an FSDP
+    unit and the root one more, bf16 params / fp32 reduce; the fill on when ``fill``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dim, experts = spec["dim"], spec["experts"]
@@ -65,9 +71,8 @@ def _model(spec: dict[str, Any], ctx: Ctx, fill: bool):
             return self.head(x)
 
     torch.manual_seed(0)
-    with torch.device(ctx.device):
+    with torch.device(device):
         model = Model()
-    mesh = ctx.mesh()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -77,12 +82,63 @@ def _model(spec: dict[str, Any], ctx: Ctx, fill: bool):
     return model
 
 
-def _route(ctx: Ctx, case: str, experts: int) -> tuple[int, ...]:
+def route(case: str, rank: int, world_size: int, experts: int) -> tuple[int, ...]:
+    """The experts ``rank`` uses in every block: all of them with the fill off; with it on, rank 0
+    {0, 1}, rank 1 {0, 2}, the others {0}: the last expert is used by no rank (with 4 or more)."""
     if case == "fill_off":
         return tuple(range(experts))
-    if ctx.world_size == 1:
+    if world_size == 1:
         return (0, 1)
-    return {0: (0, 1), 1: (0, 2)}.get(ctx.rank, (0,))  # the last expert: used by no rank
+    return {0: (0, 1), 1: (0, 2)}.get(rank, (0,))
+
+
+def make_step(spec: dict[str, Any], case: str, model, rank: int, world_size: int, device,
+              backward: Callable[[Any], None] = lambda loss: loss.backward()) -> Callable[[], None]:
+    """One training step of ``case`` on this rank's micro-batches (sync on the last), then AdamW's;
+    ``backward`` runs each micro-batch's backward (a bench wraps it to count collectives)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    micro = MICRO_BATCHES[case]
+    gen = torch.Generator().manual_seed(rank)
+    data = [torch.randn(spec["tokens"], spec["dim"], generator=gen).to(device) for _ in range(micro)]
+    used = route(case, rank, world_size, spec["experts"])
+
+    def step() -> None:
+        for index, batch in enumerate(data):
+            model.set_requires_gradient_sync(index == micro - 1)
+            backward(model(batch, used).float().pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def alternate(variants: list[str], rounds: int, run_block: Callable[[int, str], None]) -> None:
+    """``run_block(round, variant)`` for every variant, ``rounds`` times, the order flipping every
+    round, so that a drift of the machine weighs on every variant alike."""
+    for round_index in range(rounds):
+        for variant in variants if round_index % 2 == 0 else variants[::-1]:
+            run_block(round_index, variant)
+
+
+def timed_steps(step: Callable[[], None], steps: int, cuda: bool) -> dict[str, list[float]]:
+    """``steps`` calls of ``step``, in ms each: ``host`` (wall clock around the call), ``cpu`` (this
+    process's CPU time, all threads: leaves out waiting for a core, on a loaded machine), ``device``
+    (CUDA events around the call: the GPU's timeline, idle gaps included; the host time on CPU)."""
+    events, host, cpu = [], [], []
+    for _ in range(steps):
+        begin, cpu_begin = time.perf_counter(), time.process_time()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        step()
+        if cuda:
+            end.record()
+            events.append((start, end))
+        host.append((time.perf_counter() - begin) * 1e3)
+        cpu.append((time.process_time() - cpu_begin) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return {"host": host, "cpu": cpu, "device": [s.elapsed_time(e) for s, e in events] if cuda else host}
 
 
 class _Probe:
@@ -179,71 +235,49 @@ def _time_case(ctx: Ctx, spec: dict[str, Any], case: str, native_fill: bool, at)
     from ..patches import restore_unused_param_grads as restore
 
     cuda = ctx.device.type == "cuda"
-    model = _model(spec, ctx, fill=case == "fill_on")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    micro = 2 if case == "fill_off" else 1
-    gen = torch.Generator().manual_seed(ctx.rank)
-    data = [torch.randn(spec["tokens"], spec["dim"], generator=gen).to(ctx.device) for _ in range(micro)]
-    used = _route(ctx, case, spec["experts"])
-
-    def step() -> None:
-        for index, batch in enumerate(data):
-            model.set_requires_gradient_sync(index == micro - 1)
-            model(batch, used).float().pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    model = build_stack(spec, ctx.mesh(), ctx.device, fill=case == "fill_on")
+    step = make_step(spec, case, model, ctx.rank, ctx.world_size, ctx.device)
     variants = ["off", "on"] + (["on_forced_sync"] if case == "fill_on" and ctx.world_size == 1 else [])
     out = {v: {"step_ms": [], "host_ms": [], "block_ms": [], "restore_us": [], "tolist_us": [],
                "tolists": [], "peak_mib": 0.0} for v in variants}
     probe = _Probe(restore, cuda)
-    for round_index in range(spec["rounds"]):
-        for variant in variants if round_index % 2 == 0 else variants[::-1]:
-            at(f"cost {case} round {round_index} {variant}")
-            _set_variant(variant, case, native_fill)
-            probe.install()
-            probe.watch_syncs, probe.syncs = True, []
-            try:
-                step()  # after a switch: not timed; the restore's host syncs counted here
-            finally:
-                probe.watch_syncs = False
-                probe.remove()
-            out[variant]["syncs"] = out[variant].get("syncs", []) + probe.syncs
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            if ctx.world_size > 1:
-                dist.barrier()
-            probe.reset()
-            probe.install()
-            try:
-                events, host = [], []
-                for _ in range(spec["steps"]):
-                    begin = time.perf_counter()
-                    if cuda:
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                    step()
-                    if cuda:
-                        end.record()
-                        events.append((start, end))
-                    host.append((time.perf_counter() - begin) * 1e3)
-                if cuda:
-                    torch.cuda.synchronize()
-            finally:
-                probe.remove()
-            times = [s.elapsed_time(e) for s, e in events] if cuda else host
-            row, steps = out[variant], spec["steps"]
-            row["step_ms"] += times
-            row["host_ms"] += host
-            row["block_ms"].append(statistics.median(times))
-            row["restore_us"].append(probe.restore_s * 1e6 / steps)
-            row["tolist_us"].append(probe.tolist_s * 1e6 / steps)
-            row["tolists"].append(probe.tolists / steps)
-            if cuda:
-                row["peak_mib"] = max(row["peak_mib"], torch.cuda.max_memory_allocated() / 2**20)
+
+    def run_block(round_index: int, variant: str) -> None:
+        at(f"cost {case} round {round_index} {variant}")
+        _set_variant(variant, case, native_fill)
+        probe.install()
+        probe.watch_syncs, probe.syncs = True, []
+        try:
+            step()  # after a switch: not timed; the restore's host syncs counted here
+        finally:
+            probe.watch_syncs = False
+            probe.remove()
+        out[variant]["syncs"] = out[variant].get("syncs", []) + probe.syncs
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if ctx.world_size > 1:
+            dist.barrier()
+        probe.reset()
+        probe.install()
+        try:
+            times = timed_steps(step, spec["steps"], cuda)
+        finally:
+            probe.remove()
+        row, steps = out[variant], spec["steps"]
+        row["step_ms"] += times["device"]
+        row["host_ms"] += times["host"]
+        row["block_ms"].append(statistics.median(times["device"]))
+        row["restore_us"].append(probe.restore_s * 1e6 / steps)
+        row["tolist_us"].append(probe.tolist_s * 1e6 / steps)
+        row["tolists"].append(probe.tolists / steps)
+        if cuda:
+            row["peak_mib"] = max(row["peak_mib"], torch.cuda.max_memory_allocated() / 2**20)
+
+    alternate(variants, spec["rounds"], run_block)
     _set_variant("on", case, native_fill)
-    summary: dict[str, Any] = {"micro_batches": micro, "experts_used": list(used), "variants": {}}
+    used = route(case, ctx.rank, ctx.world_size, spec["experts"])
+    summary: dict[str, Any] = {"micro_batches": MICRO_BATCHES[case], "experts_used": list(used), "variants": {}}
     for variant, row in out.items():
         summary["variants"][variant] = {
             "step_ms": statistics.median(row["step_ms"]),

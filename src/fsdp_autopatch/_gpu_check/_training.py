@@ -1,8 +1,8 @@
 """Rank side of ``fsdp-autopatch gpu-check``: the training flavours (eager, per-block ``torch.compile``,
-CPU offload with pinned memory), the first four bugs at once in the MoE model they share. The entries'
-bug cases are their case modules (``_entries.py``).
+CPU offload with pinned memory), the first four bugs at once in the demo's model and training
+(``fsdp_autopatch.cases._four_bugs``). The entries' bug cases are their case modules (``_entries.py``).
 
-Every flavour takes the rank's :class:`._net.Ctx` and returns, on every rank,
+Every flavour takes the rank's :class:`._net.Ctx` and returns
 ``{"right": bool, "value": str}`` (rank 0's verdict is the one reported): what was measured against
 a one-process reference (gradients), ``grad is None`` and unchanged weights for the expert no rank
 used, a falling loss. An exception is the case's outcome (the rank program records it).
@@ -12,59 +12,48 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _net as net
-from ._net import Ctx, Micro
+from ..cases import _four_bugs as four_bugs
+from ._net import Ctx
 
-UNUSED = "moe.experts.2."  # the expert no rank routes to
-
-
-def _seed(rank: int, micro: int) -> int:
-    return 100 + 10 * rank + micro
+STEPS = 2
 
 
-def _route_some_unused(ctx: Ctx, rank: int) -> tuple[int, ...]:
-    """Rank 0 runs experts 0 and 1, every other rank expert 0 only; nobody runs expert 2."""
-    return (0, 1) if rank == 0 else (0,)
-
-
-def _grads_text(run: dict[str, Any]) -> str:
-    text = f"max relative |grad - reference| {run['worst']:.1e}"
-    if run["mismatched"]:
-        text += f"; gradient on one side only: {', '.join(run['mismatched'][:4])}"
+def _grads_text(grads: dict[str, Any]) -> str:
+    text = f"max relative |grad - reference| {grads['worst']['error']:.1e}"
+    if grads["one_side"]:
+        text += f"; gradient on one side only: {', '.join(grads['one_side'][:4])}"
     return text
 
 
-def _grads_right(run: dict[str, Any]) -> bool:
-    return not run["mismatched"] and run["worst"] <= net.BF16_TOLERANCE
-
-
-def _unused_text(run: dict[str, Any]) -> tuple[bool, str]:
-    none_always, unchanged = net.untouched(run, UNUSED)
-    moved = max(float((run["final"][n] - run["params"][0][n]).abs().max()) for n in run["final"]
-                if n.startswith(UNUSED))
-    text = (f"expert 2 (used by no rank): grad {'None' if none_always else 'a tensor (zero)'} after each backward, "
-            f"weights {'bitwise unchanged' if unchanged else f'moved by {moved:.1e}'}")
-    return none_always and unchanged, text
+def _unused_text(unused: dict[str, Any]) -> str:
+    grad = "None" if all(state == "None" for state in unused["grad_states"]) else "a tensor (zero)"
+    weights = "bitwise unchanged" if unused["bitwise_unchanged"] else f"moved by {unused['max_change']:.1e}"
+    return f"expert {four_bugs.UNUSED_EXPERT} (used by no rank): grad {grad} after each backward, weights {weights}"
 
 
 def _train_flavour(ctx: Ctx, *, compiled: bool = False, offload: bool = False) -> dict[str, Any]:
-    """The first four bugs at once, as the demo's model meets them: a tower skipped by the text-only
-    micro-batch (a), ranks with different experts (b, from 2 ranks), fp32-accumulated gradients
+    """The first four bugs at once, as the demo's model meets them: a vision tower skipped by the text-only
+    micro-batches (a), ranks with different experts (b, from 2 ranks), fp32-accumulated gradients
     next to bf16 zeros of the fill (c), an expert no rank used (d); bf16 params, fp32 reduce."""
-    plan = [[Micro(_seed(r, 0), False, _route_some_unused(ctx, r)),
-             Micro(_seed(r, 1), True, _route_some_unused(ctx, r))]
-            for r in range(ctx.world_size)]
-    model = net.shard(net.build(True), ctx, compiled=compiled, offload=offload)
-    run = net.train(model, ctx, plan, 2, fill=True, tower=True)
-    unused_right, unused_text = _unused_text(run)
-    falls = run["losses"][-1] < run["losses"][0]
-    value = f"{unused_text}; others: {_grads_text(run)}; loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}"
+    plan = four_bugs.plan(ctx.world_size)
+    model = four_bugs.shard(four_bugs.build_model(), ctx.mesh(), offload=offload,
+                            compile_backend=ctx.compile_backend if compiled else None)
+    model.set_reduce_scatter_unused_params(True)  # AttributeError on torch < 2.13 without the backport
+    run = four_bugs.train(model, plan[ctx.rank], STEPS, ctx.device)
+    if ctx.rank != 0:
+        return {"right": True, "value": ""}
+    grads = four_bugs.check_gradients(run, plan, ctx.device)
+    unused = four_bugs.check_unused_expert(run)
+    loss = four_bugs.check_loss(run["losses"], STEPS)
+    unused_right = unused["ok"]
+    value = (f"{_unused_text(unused)}; others: {_grads_text(grads)}; "
+             f"loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}")
     if offload:
         where = {p.to_local().device.type for p in model.parameters()}
         pinned = all(p.to_local().is_pinned() for p in model.parameters())
         value += f"; sharded parameters on {', '.join(sorted(where))}, pinned: {pinned}"
         unused_right = unused_right and where == {"cpu"} and pinned
-    return {"right": unused_right and _grads_right(run) and falls, "value": value}
+    return {"right": unused_right and not grads["one_side"] and grads["ok"] and loss["ok"], "value": value}
 
 
 def case_train_eager(ctx: Ctx) -> dict[str, Any]:
@@ -77,7 +66,7 @@ def case_train_compile(ctx: Ctx) -> dict[str, Any]:
     counters.clear()
     result = _train_flavour(ctx, compiled=True)
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    result["value"] = (f"torch.compile(backend={ctx.compile_backend!r}) of the tower and MoE blocks: {graphs} "
+    result["value"] = (f"torch.compile(backend={ctx.compile_backend!r}) of the vision and MoE blocks: {graphs} "
                        f"graphs compiled, {breaks} graph breaks; " + result["value"])
     result["right"] = result["right"] and graphs > 0
     return result

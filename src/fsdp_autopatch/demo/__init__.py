@@ -62,8 +62,9 @@ them on stderr before it starts.
 Implementation: stdlib only at import time; torch is imported inside the rank process
 (``python -m fsdp_autopatch.demo --worker ...``) and inside functions only.
 
-Modules: ``_model`` (shape, model, data, loss), ``_scenarios`` (what each sub-run disables, its
-timeouts), ``_worker`` and ``_checks`` (the rank side: training, rank 0's invariants), ``_subrun``
+Modules: the model, data, loss, training loop and invariants are ``fsdp_autopatch.cases._four_bugs``
+(shared with ``gpu-check``); ``_scenarios`` (what each sub-run disables, its timeouts), ``_worker``
+(the rank side: a sub-run's rank, its report), ``_subrun``
 (the parent side of a sub-run, on the launcher shared with the tests, ``fsdp_autopatch._launch``),
 ``_judges`` (did each bug reproduce) and ``_report`` (what is printed); what a rank does as the GPU
 check's ranks do (watchdog, process group, error record, JSON result) is ``fsdp_autopatch._rank_side``.

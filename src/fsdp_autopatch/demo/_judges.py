@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._model import RANK0_EXPERT, SHARED_EXPERT, STEPS, UNUSED_EXPERT, WEIGHT_DECAY
+from ..cases._four_bugs import RANK0_EXPERT, SHARED_EXPERT, STEPS, UNUSED_EXPERT, WEIGHT_DECAY
 from ._subrun import Failure, RunResult, describe_failure
 
 

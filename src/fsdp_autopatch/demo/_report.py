@@ -6,8 +6,7 @@ import time
 from typing import Any
 
 from .._columns import table
-from ._judges import JUDGES
-from ._model import (
+from ..cases._four_bugs import (
     GRAD_TOLERANCE,
     IMAGE_MICRO_BATCH,
     MICRO_BATCHES,
@@ -18,6 +17,7 @@ from ._model import (
     WEIGHT_DECAY,
     WORLD_SIZE,
 )
+from ._judges import JUDGES
 from ._scenarios import BUG_SCENARIOS, PATCHED, RUN_TIMEOUT_S
 from ._subrun import RunResult, describe_failure, run_scenario
 

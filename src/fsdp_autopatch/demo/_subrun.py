@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._launch import launch, port_taken, rank_results, retry_on_taken_port
-from ._model import WORLD_SIZE
+from ..cases._four_bugs import WORLD_SIZE
 from ._scenarios import FAIL_GRACE_S, RUN_TIMEOUT_S, Scenario
 
 # Kept from an inherited environment: how much the plugin logs does not change what a run does.

@@ -14,18 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from .. import _rank_side as rank_side
-from ..cases._common import full_grad_tensors, full_param_tensors
-from ._checks import check_gradients, check_loss, check_unused_expert
-from ._model import (
-    LR,
-    MICRO_BATCHES,
-    STEPS,
-    WEIGHT_DECAY,
-    WORLD_SIZE,
-    build_model,
-    loss_fn,
-    make_micro_batch,
-)
+from ..cases import _four_bugs as four_bugs
 from ._scenarios import PG_TIMEOUT_S, SCENARIOS, Scenario
 
 
@@ -58,18 +47,6 @@ def _ensure_installed() -> str:
     return ""
 
 
-def _shard(model, mesh):
-    """Vision tower and MoE get their own FSDP units (as in real VLM/MoE recipes), then the root."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard(model.vision, mesh=mesh, mp_policy=policy)
-    fully_shard(model.moe, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
-
-
 def _enable_fill(model, scenario: Scenario) -> str:
     if not scenario.fill:
         return "off (not called)"
@@ -78,57 +55,6 @@ def _enable_fill(model, scenario: Scenario) -> str:
         return "unavailable (torch < 2.13 and the backport is off)"
     model.set_reduce_scatter_unused_params(True)
     return "on"
-
-
-def _gather_grads(model) -> dict[str, Any]:
-    """Full gradients of the parameters that have one (collective: every rank calls it); a ``None``
-    gradient is left out, once the ranks agree on which are ``None`` (else: RuntimeError)."""
-    import torch
-    import torch.distributed as dist
-
-    # Gathering would deadlock if the ranks disagree on which gradients exist: compare first
-    # (with tensors; all_gather_object would need numpy).
-    has_grad = torch.tensor([p.grad is not None for p in model.parameters()], dtype=torch.int32)
-    anywhere, everywhere = has_grad.clone(), has_grad.clone()
-    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-    if not torch.equal(anywhere, everywhere):
-        names = [n for (n, _), a, e in zip(model.named_parameters(), anywhere, everywhere) if a != e]
-        raise RuntimeError(f"ranks disagree on which parameters have a gradient: {names}")
-    return full_grad_tensors(model)
-
-
-def _train(model, rank: int, progress: Progress) -> dict[str, Any]:
-    """The training loop; returns what the checks need (losses, per-step weights and gradients)."""
-    import torch
-    import torch.distributed as dist
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, params_per_step, grads_per_step = [], [], []
-    for step in range(1, STEPS + 1):
-        params_per_step.append(full_param_tensors(model))
-        step_loss = torch.zeros(())
-        for micro in range(MICRO_BATCHES):
-            last = micro == MICRO_BATCHES - 1
-            # Accumulate without communication; reduce-scatter only after the last micro-batch.
-            model.set_requires_gradient_sync(last)
-            tokens, pixels, targets = make_micro_batch(rank, micro)
-            kind = "text+images" if pixels is not None else "text-only"
-            progress.at(f"step {step}, micro-batch {micro + 1}/{MICRO_BATCHES} ({kind}) forward")
-            loss = loss_fn(model(tokens, pixels), targets)
-            progress.at(f"step {step}, micro-batch {micro + 1}/{MICRO_BATCHES} ({kind}) backward")
-            (loss / MICRO_BATCHES).backward()
-            step_loss += loss.detach()
-        progress.at(f"step {step}, gathering gradients")
-        grads_per_step.append(_gather_grads(model))
-        progress.at(f"step {step}, optimizer step")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(step_loss)
-        losses.append(step_loss.item() / (WORLD_SIZE * MICRO_BATCHES))
-    progress.at("gathering final weights")
-    final_params = full_param_tensors(model)
-    return {"losses": losses, "params": params_per_step, "grads": grads_per_step, "final": final_params}
 
 
 def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[str, Any]) -> None:
@@ -154,20 +80,21 @@ def _run_rank(scenario: Scenario, rank: int, progress: Progress, result: dict[st
     lap("import")
     progress.at("init_process_group")
     rank_side.init_process_group(PG_TIMEOUT_S)
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    mesh = init_device_mesh("cpu", (four_bugs.WORLD_SIZE,))
     progress.at("fully_shard")
-    model = _shard(build_model(), mesh)
+    model = four_bugs.shard(four_bugs.build_model(), mesh)
     result["fill"] = _enable_fill(model, scenario)
     lap("setup")
-    run = _train(model, rank, progress)
+    plan = four_bugs.plan()
+    run = four_bugs.train(model, plan[rank], four_bugs.STEPS, at=progress.at)
     rank_side.end_process_group()
     lap("train")
     if rank == 0:
         progress.at("checking invariants")
         result["checks"] = {
-            "gradients": check_gradients(run),
-            "unused_expert": check_unused_expert(run),
-            "loss": check_loss(run["losses"]),
+            "gradients": four_bugs.check_gradients(run, plan),
+            "unused_expert": four_bugs.check_unused_expert(run),
+            "loss": four_bugs.check_loss(run["losses"]),
         }
         lap("check")
 
