@@ -330,8 +330,20 @@ def sc_finalization(ctx: sc.Ctx) -> None:
     if has_manual_finalization():
         with ctx.case("manual_reset/two_units") as rec:
             _reset_before_finalizing(ctx, rec)
-    with ctx.case("pipelining/one_unit") as rec:
-        _pipelining(ctx, rec, calls)
+    ctx.data["pipelining_runs"] = pipelining_runs()
+    if ctx.data["pipelining_runs"]:
+        with ctx.case("pipelining/one_unit") as rec:
+            _pipelining(ctx, rec, calls)
+
+
+def pipelining_runs() -> bool:
+    """False where torch's pipelining calls an FSDP2 finalization method this FSDP2 lacks: FSDP2 files
+    of another torch overlaid (scripts/next_torch.py), e.g. the pending-gradient rewrite on 2.15."""
+    import inspect
+
+    from torch.distributed.pipelining import stage
+
+    return has_manual_finalization() or "set_manual_backward_finalization" not in inspect.getsource(stage)
 
 
 def _reset_before_finalizing(ctx: sc.Ctx, rec: dict[str, Any]) -> None:
