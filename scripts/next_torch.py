@@ -97,6 +97,14 @@ def write_site(site_dir: Path, overlay: Path | None, relabel: str | None) -> Pat
     return site_dir
 
 
+def is_overlay_site(directory: str) -> bool:
+    """Whether ``directory`` is one :func:`write_site` made (its sitecustomize says so)."""
+    try:
+        return (Path(directory) / "sitecustomize.py").read_text().startswith(SITECUSTOMIZE.splitlines()[0])
+    except OSError:
+        return False
+
+
 def environment(site_dir: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment, ``site_dir`` first on PYTHONPATH (None: the plain torch).
 
@@ -104,8 +112,13 @@ def environment(site_dir: Path | None, extra: dict[str, str] | None = None) -> d
     ``extra`` (``--env``) comes last. No bytecode is written, into the installed torch least of all.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_AUTOPATCH_")}
-    if site_dir is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site_dir), env.get("PYTHONPATH", "")]))
+    # An overlay this run did not write (this script run under another's, as its own tests are
+    # there) would serve its files in both runs: "without" is the installed torch.
+    outer = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and not is_overlay_site(entry)]
+    entries = ([str(site_dir)] if site_dir is not None else []) + outer
+    env.pop("PYTHONPATH", None)
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
     env.update(PYTHONDONTWRITEBYTECODE="1", **(extra or {}))
     return env
 

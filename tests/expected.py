@@ -475,10 +475,14 @@ def case_rows(release: tuple[int, int]) -> dict[str, dict[str, dict]]:
         # (v) set_reshard_after_backward(False) across 3 clipped SGD steps: model.parameters() shows the unsharded
         # copies without gradients (the clip sees 0 of 6, norm 0.0 against 6.03) and each forward after a step
         # reuses the copy of before it (measured 2.13 and 2.15: relative |weight - reference| 1.9); with the fix
-        # the one-process reference (7.7e-08 on 2.13)
+        # the one-process reference (7.7e-08 on 2.13). Outside the measured releases only the stale weights are
+        # held: PyTorch's pending-gradient rewrite (commit acf70b43, overlaid on 2.15) registers the sharded
+        # parameters after such a backward, so the clip sees 6 of 6 there, and the forward still reuses the stale
+        # copy (measured: weights 2.9e-02 off the reference)
         "reshard_stale_unsharded": {
             "on": {**COMPLETED, "params": REFERENCE, "values": {"with_grad": [6, 6, 6]}},
-            "off": {**COMPLETED, "params": WRONG, "values": {"with_grad": [0, 0, 0]}},
+            "off": {**COMPLETED, "params": WRONG,
+                    **({"values": {"with_grad": [0, 0, 0]}} if is_measured(release) else {})},
         },
         # (w) an optimizer in backward whose hooks were registered before fully_shard: they never run and the
         # weights never move (measured 2.13, 2.15: 0 of 18 calls); with the fix the reference (bitwise on 2.13, 2.15),

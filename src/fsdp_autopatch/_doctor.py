@@ -352,7 +352,12 @@ def bf16_accumulation_hint() -> Finding | None:
         resolve = _compat.class_attr(_compat.fsdp_class("_fsdp_param", "FSDPParam"), "init_dtype_attrs")
     except Exception:  # no torch, no FSDP2, or our module broken: the findings above say so
         return None
-    if _compat.reads_names(resolve, "sharded_grad_dtype"):
+    if _compat.reads_names(resolve, "unsharded_grad_dtype"):
+        # PyTorch's pending-gradient rewrite (commit acf70b43): the unsharded gradient, and so every
+        # pending no-sync contribution, is in reduce_dtype, else param_dtype (as on torch <= 2.14)
+        policy = "MixedPrecisionPolicy(param_dtype=torch.bfloat16) without reduce_dtype"
+        aside = " (or with reduce_dtype=torch.bfloat16, as accelerate passes)"
+    elif _compat.reads_names(resolve, "sharded_grad_dtype"):
         # torch >= 2.15: reduce_dtype=None follows the parameter's dtype (fp32 for fp32 parameters)
         policy = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)"
         aside = " (accelerate passes reduce_dtype equal to param_dtype)"

@@ -26,6 +26,13 @@ class FollowGradDtype:  # torch >= 2.15: reduce_dtype=None follows the parameter
         self.param_dtype, self.reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
 
 
+class AccumulateInReduceOrParamDtype:  # the pending-gradient rewrite (acf70b43): reduce_dtype or param_dtype
+    def init_dtype_attrs(self, mp_policy):
+        self.sharded_grad_dtype = self.orig_dtype
+        self.param_dtype, self.reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
+        self.unsharded_grad_dtype = self.reduce_dtype or self.param_dtype or self.orig_dtype
+
+
 class Unknown:
     def init_dtype_attrs(self, policy):
         self.something_else = policy
@@ -51,6 +58,12 @@ def test_follow_grad_dtype_names_only_an_explicit_bf16_reduce_dtype(monkeypatch)
     assert "without reduce_dtype" not in hint.message
 
 
+def test_the_rewrites_pending_gradients_in_param_dtype_name_the_policy_without_reduce_dtype(monkeypatch):
+    _with_fsdp_param(monkeypatch, AccumulateInReduceOrParamDtype)
+    hint = _doctor.bf16_accumulation_hint()
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16) without reduce_dtype" in hint.message
+
+
 @pytest.mark.parametrize("fsdp_class", [lambda module, name: Unknown, "raises"])
 def test_no_hint_when_the_shape_is_unknown_or_fsdp2_missing(monkeypatch, fsdp_class):
     def missing(module, name):
@@ -69,8 +82,11 @@ def test_installed_torch_gets_the_hint_of_its_shape():
     assert hint is not None
     release = Version(Version(torch.__version__.split("+")[0]).base_version)
     without_reduce_dtype = "without reduce_dtype" in hint.message
-    # read in the wheels: 2.15 resolves reduce_dtype=None from the parameter's grad_dtype
-    assert without_reduce_dtype == (release < Version("2.15")), (torch.__version__, hint.message)
+    # read in the wheels: 2.15 resolves reduce_dtype=None from the parameter's grad_dtype; the
+    # pending-gradient rewrite (counted as 2.16 when overlaid) accumulates in param_dtype again
+    resolve = _compat.class_attr(_compat.fsdp_class("_fsdp_param", "FSDPParam"), "init_dtype_attrs")
+    in_param_dtype = release < Version("2.15") or _compat.reads_names(resolve, "unsharded_grad_dtype")
+    assert without_reduce_dtype == in_param_dtype, (torch.__version__, hint.message)
 
 
 def test_a_hint_never_turns_the_verdict(monkeypatch):

@@ -1,7 +1,10 @@
 """PyTorch's pending-gradient rewrite (commit acf70b43: ``FSDPGrad``, ``synchronize_gradients()``,
 ``FSDPParam.publish_unsharded_grad``) recognised by its shape, in one process: its skeleton is laid
 over the installed torch's classes (the methods the checks read, with the rewrite's reads), and the
-entries whose premise it removes report not_needed, conclusively, with the reason."""
+entries whose premise it removes report not_needed, conclusively, with the reason;
+restore_unused_param_grads stays needed and also wraps ``synchronize_gradients()``, which runs each
+unit's ``post_backward`` outside any backward. (The rewrite's real files: the release-day runbook in
+docs/compatibility.md, ``scripts/next_torch.py``.)"""
 
 import sys
 import types
@@ -15,6 +18,7 @@ from fsdp_autopatch import _activate, _compat  # noqa: E402
 from fsdp_autopatch.patches import (  # noqa: E402
     accumulated_grad_guard,
     pending_grads_warning,
+    restore_unused_param_grads,
     zero_grad_discards_pending_grads,
 )
 
@@ -38,8 +42,13 @@ def publish_unsharded_grad(self, reduce_op=None, divide_factor=None):
     return leaf, isinstance(self.sharded_param.grad, FSDPGrad)
 
 
-def synchronize_gradients(self):
-    return None
+def synchronize_gradients(self, *, recurse=True):  # FSDPModule's: each unit's, once
+    for group in self._get_fsdp_state()._fsdp_param_groups:
+        group.synchronize_gradients()
+
+
+def group_synchronize_gradients(self):  # FSDPParamGroup's: post_backward outside any backward
+    self.post_backward()
 
 
 @pytest.fixture
@@ -54,6 +63,7 @@ def rewrite(monkeypatch):
         if gone in vars(fsdp_param):
             monkeypatch.delattr(fsdp_param, gone)
     monkeypatch.setattr(fsdp_module, "synchronize_gradients", synchronize_gradients, raising=False)
+    monkeypatch.setattr(group, "synchronize_gradients", group_synchronize_gradients, raising=False)
     module = types.ModuleType(f"{_compat.FSDP2_PACKAGE}._fsdp_grad")
     module.FSDPGrad = FSDPGrad
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -86,3 +96,30 @@ def test_a_method_gone_alone_proves_nothing(rewrite, monkeypatch):
 
     monkeypatch.setattr(_compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup"), "post_backward", post_backward)
     assert accumulated_grad_guard.PATCH.check().status == "unsupported"
+
+
+def _synchronize_target():
+    targets = restore_unused_param_grads.PATCH.targets
+    return next(t for t in targets if t.path.endswith("FSDPModule.synchronize_gradients"))
+
+
+def test_restore_unused_param_grads_also_restores_after_synchronize_gradients(rewrite):
+    verdict = restore_unused_param_grads.PATCH.check()
+    assert verdict.status == "needed", verdict  # the fill still turns None into zero there
+    assert _synchronize_target().when(), "the synchronize_gradients wrapper must apply on the rewrite"
+
+
+def test_without_synchronize_gradients_its_wrapper_stays_off(rewrite, monkeypatch):
+    monkeypatch.delattr(_compat.fsdp_class("_fully_shard", "FSDPModule"), "synchronize_gradients")
+    assert not _synchronize_target().when()
+    assert restore_unused_param_grads.PATCH.check().status == "needed"
+
+
+def test_a_synchronize_gradients_that_runs_no_post_backward_is_unsupported(rewrite, monkeypatch):
+    def synchronize_elsewhere(self):  # the probe would never see this reduction
+        return self.reduce_grads
+
+    monkeypatch.setattr(_compat.fsdp_class("_fsdp_param_group", "FSDPParamGroup"), "synchronize_gradients",
+                        synchronize_elsewhere)
+    verdict = restore_unused_param_grads.PATCH.check()
+    assert verdict.status == "unsupported" and "synchronize_gradients" in verdict.reason, verdict

@@ -9,7 +9,10 @@ Needed here?
     finalization (``FSDPModule.finalize_backward``, torch 2.15) also
     ``FSDPState._end_backward_iteration`` (reading ``_state_ctx.all_states``), reached from
     ``FSDPState.wait_for_gradient_reduction``, and the callback's
-    ``manual_backward_finalization_active``. No fill -> not needed (nothing creates the zeros);
+    ``manual_backward_finalization_active``; where ``FSDPModule.synchronize_gradients`` exists
+    (PyTorch's pending-gradient rewrite, commit acf70b43) also the unit's
+    ``FSDPParamGroup.synchronize_gradients`` running ``post_backward`` and the module's reaching
+    its units' (``_fsdp_param_groups``). No fill -> not needed (nothing creates the zeros);
     missing internals -> unsupported.
 
 The replacement
@@ -33,6 +36,11 @@ The replacement
         (``wait_for_gradient_reduction`` from the callback), ``finalize_backward()``,
         ``finalize_backward(async_op=True).wait()`` and 2.15's pipelining schedules (manual, async)
         all end, after the reductions were waited for.
+      - ``FSDPModule.synchronize_gradients`` wrapped where it exists (the pending-gradient
+        rewrite): it runs each unit's ``post_backward`` outside any backward, after the last
+        backward's callback, so the fill's zeros would otherwise reach ``step()``. After torch's
+        call, the units of the module's subtree that carry a probe are restored (only the
+        synchronized ones can: every backward's end takes its probes off).
       - ``FSDPParamGroup._reset_iter_state`` wrapped where it exists (2.13+): a reset iteration is
         lost, and so is its usage probe.
     A unit whose fill is off records nothing and adds no collective at all.
@@ -69,6 +77,7 @@ from . import unused_param_reduction
 
 _CALLBACK = "_root_post_backward_final_callback"
 _END_ITERATION = "_end_backward_iteration"  # torch 2.15: where every finalization path ends
+_SYNCHRONIZE = "synchronize_gradients"  # the pending-gradient rewrite: post_backward outside backward
 _RESET = "_reset_iter_state"  # FSDPParamGroup, torch 2.13+: recovery after a failed iteration
 _PROBE = "_fsdp_autopatch_usage_probe"  # FSDPParamGroup attribute, lives for one backward
 _FSDP2 = _compat.FSDP2_PACKAGE
@@ -120,6 +129,11 @@ def _structural_check() -> Verdict:
             "(fsdp_params, reduce_grads, mesh_info, _state_ctx.all_states)"
         )
     source = "torch's" if unused_param_reduction.has_native_api() else "the backported"
+    if has_synchronize_gradients() and not _synchronize_looks_right(param_group):
+        return unsupported(
+            f"FSDPModule.{_SYNCHRONIZE} exists but does not reach FSDPParamGroup.{_SYNCHRONIZE} through "
+            f"_fsdp_param_groups, or that does not run post_backward: its zeros would reach step()"
+        )
     if not has_manual_finalization():
         return needed(f"{source} unused-param fill turns None into zero")
     if not _manual_finalization_looks_right(state):
@@ -134,6 +148,20 @@ def _structural_check() -> Verdict:
 def has_manual_finalization() -> bool:
     """Whether this torch lets the caller finalize backward (``FSDPModule.finalize_backward``, 2.15)."""
     return _compat.class_attr(_compat.fsdp_class("_fully_shard", "FSDPModule"), "finalize_backward") is not None
+
+
+def has_synchronize_gradients() -> bool:
+    """Whether pending gradients can be reduced outside a backward (``FSDPModule.synchronize_gradients``,
+    PyTorch's pending-gradient rewrite)."""
+    return _compat.class_attr(_compat.fsdp_class("_fully_shard", "FSDPModule"), _SYNCHRONIZE) is not None
+
+
+def _synchronize_looks_right(param_group: type) -> bool:
+    # The module's call must reach each unit's, and the unit's must run post_backward (our probe).
+    module = _compat.fsdp_class("_fully_shard", "FSDPModule")
+    return _compat.reads_names(
+        _compat.class_attr(module, _SYNCHRONIZE), "_fsdp_param_groups", _SYNCHRONIZE
+    ) and _compat.reads_names(_compat.class_attr(param_group, _SYNCHRONIZE), "post_backward")
 
 
 def _has_reset() -> bool:
@@ -232,6 +260,19 @@ def _restore_after_end_of_iteration(wrapped, root_state, args, kwargs):
     return result
 
 
+def _restore_after_synchronize(wrapped, module, args, kwargs):
+    result = wrapped(*args, **kwargs)  # every unit of the subtree reduced (recurse or not)
+    probed = []
+    for submodule in module.modules():  # module-tree order: the same on every rank
+        state = submodule._get_fsdp_state() if hasattr(submodule, "_get_fsdp_state") else None
+        for group in _compat.state_param_groups(state) if state is not None else ():
+            if _PROBE in vars(group) and group not in probed:
+                probed.append(group)
+    if probed:
+        restore_unused(probed)
+    return result
+
+
 def _drop_probe_on_reset(wrapped, group, args, kwargs):
     vars(group).pop(_PROBE, None)  # the iteration is lost: so is its usage
     return wrapped(*args, **kwargs)
@@ -251,6 +292,8 @@ PATCH = Patch(
         Wrap(f"{_FSDP2}._fsdp_state:FSDPState.{_CALLBACK}", _restore_after_callback),
         Wrap(f"{_FSDP2}._fsdp_state:FSDPState.{_END_ITERATION}", _restore_after_end_of_iteration,
              when=has_manual_finalization),
+        Wrap(f"{_FSDP2}._fully_shard:FSDPModule.{_SYNCHRONIZE}", _restore_after_synchronize,
+             when=has_synchronize_gradients),
         Wrap(f"{_FSDP2}._fsdp_param_group:FSDPParamGroup.{_RESET}", _drop_probe_on_reset, when=_has_reset),
     ),
     changes="gradients it creates for parameters no rank used are reset to None",
