@@ -17,7 +17,9 @@ result applies only the second window; FSDP2 keeps the first and reduces it too.
 - ``hsdp_frozen_bias``: HSDP with the biases frozen (the optimizer never zeroes them);
 - ``clean``: the usual loop (two micro-batches, the sync on for the last, ``zero_grad()`` after the
   step): nothing kept at any ``zero_grad()``, never a warning;
-- ``step_sync_off``: the sync left off for the last micro-batch's backward, then ``step()``.
+- ``step_sync_off``: the sync left off for the last micro-batch's backward, then ``step()``
+  (where torch keeps pending gradients itself, an ``FSDPGrad``, that step raises: recorded as the
+  variant's error, with the warnings given before it).
 
 Per variant the rank records the full weights after the step and the fsdp-autopatch warnings
 given (each variant starts with none: ``_pending_grads.forget``).
@@ -141,10 +143,13 @@ def sc_pending_grads(ctx: sc.Ctx) -> None:
         with ctx.case(variant, continue_on_error=True) as rec:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                rec.update(run_variant(ctx, variant))
-            rec["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("fsdp-autopatch:")]
+                try:
+                    rec.update(run_variant(ctx, variant))
+                finally:  # also where torch refuses the step (an FSDPGrad not yet synchronized)
+                    rec["warnings"] = [str(w.message) for w in caught
+                                       if str(w.message).startswith("fsdp-autopatch:")]
     import fsdp_autopatch
 
     with ctx.case("policies") as rec:  # the policies in force here, and how often each acted
-        rec["records"] = {r.name: {"status": r.status.value, "fired": r.fired}
+        rec["records"] = {r.name: {"status": r.status.value, "fired": r.fired, "description": r.description}
                           for r in fsdp_autopatch.status().policy_records}
