@@ -56,7 +56,7 @@ def test_the_plan_runs_every_case_by_entry_name() -> None:
     assert "post_forward_mesh_cache" not in at_two
     assert launches[0].cases == [n for n in at_two if cases.unmet(n, "cpu") is None]
     on_cuda = _plan.plan("cuda", 2, {"cases": []})[0].cases
-    assert on_cuda == at_two
+    assert on_cuda == [n for n in at_two if cases.unmet(n, "cuda") is None]  # peft, transformers: where installed
     assert "clip_grad_norm_cpu_offload" in on_cuda and "clip_grad_norm_cpu_offload" not in launches[0].cases
     off = next(x for x in launches if x.name == "uniform_reduce_dtype off")
     assert off.cases == ["uniform_reduce_dtype"] and off.env == {_catalogue.toggle_for("uniform_reduce_dtype"): "0"}
