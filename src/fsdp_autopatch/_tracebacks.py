@@ -59,20 +59,13 @@ def plain_caller(function: Any, wrapper: Any, method: bool) -> Any:
     (bound to the instance per call where ``method``), and lets torch's own error out from this one
     frame, its traceback starting at torch's (:func:`as_torchs`). The caller names it
     (``functools.wraps``): ``_patching``'s plain replacement, ``_hiding``'s hidden one."""
-    if method:
-        def replacement(instance, *args, **kwargs):
-            try:
-                return wrapper(function.__get__(instance, type(instance)), instance, args, kwargs)
-            except Exception as error:
-                if not raised_by_torch(error):
-                    raise
-                error = as_torchs(error)  # its traceback from torch's frame on
-                raise error  # torch's own code raised below: fsdp-autopatch ran it unchanged
-        return replacement
-
     def replacement(*args, **kwargs):
+        instance, wrapped = None, function
+        if method:  # bound per call, as wrapt binds a method for its wrapper
+            instance, args = args[0], args[1:]
+            wrapped = function.__get__(instance, type(instance))
         try:
-            return wrapper(function, None, args, kwargs)
+            return wrapper(wrapped, instance, args, kwargs)
         except Exception as error:
             if not raised_by_torch(error):
                 raise
