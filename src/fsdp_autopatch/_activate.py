@@ -2,13 +2,17 @@
 
 ``activate`` runs when ``torch.distributed.fsdp._fully_shard`` has been imported (wrapt calls it
 from inside that import, while the parent ``torch.distributed.fsdp`` is still importing: nothing
-here touches the parent). For each declaration (``_spec.Patch``) the same steps, written once:
+here touches the parent). For each declaration (``_spec.Patch``: a fix, a guard, a policy or another
+distribution's patch) the same steps, written once in ``_run``:
 
 1. the environment decides whether it is tried (``_config.Decision``: the variable and value);
 2. its module is imported and its structural check combined with its version range
    (``_compat.decide``): needed, not needed or unsupported;
 3. if needed, its targets are replaced all or nothing (``_patching.apply``);
 4. the outcome goes to the registry, with the decision and which check decided.
+
+A policy differs only in how its outcome is recorded (``_record``): under ``status().policies``, in
+the words that dict has had since 0.1, and not at all while it is switched off.
 
 An exception inside one patch is recorded and never reaches the user's ``import torch...``, never
 stops the other patches, and leaves torch untouched. ``FSDP_AUTOPATCH_STRICT=1`` re-raises instead.
@@ -61,7 +65,7 @@ def activate(module: Any = None) -> None:
         for external in externals:
             _run_external(external, settings)
         for name in POLICIES:
-            _run_policy(name, settings)
+            _run(name, settings)
         _log_summary()
 
 
@@ -84,7 +88,7 @@ def _run_when_imported(name: str, settings: Settings) -> None:
     otherwise it stays pending until that module's own hook applies it (switched off, it says so now)."""
     trigger = _process.trigger_of(name)
     if trigger == _process.HOOK_TARGET or _process.imported(trigger) or not _process.importable(trigger):
-        _run_fix(name, settings, patches.load_patch)
+        _run(name, settings)
         return
     decision = settings.decision(name)
     if not decision.enabled:
@@ -100,7 +104,7 @@ def _activate_waiting_for(trigger: str) -> None:
     REGISTRY.record_torch_version(_process.torch_version())
     for name in PATCH_NAMES:
         if _process.trigger_of(name) == trigger:
-            _run_fix(name, settings, patches.load_patch)
+            _run(name, settings)
 
 
 def _discover_isolated() -> tuple[list[_thirdparty.External], list[_thirdparty.Refused]]:
@@ -128,37 +132,36 @@ def _run_external(external: _thirdparty.External, settings: Settings) -> None:
         decision = Decision(False, THIRD_PARTY, "0")
         _record(external.name, PatchStatus.DISABLED, f"disabled by {decision.describe()}", decision)
         return
-    _run_fix(external.name, settings, lambda _: _thirdparty.validate(external.load(), external), external.provider)
+    _run(external.name, settings, lambda _: _thirdparty.validate(external.load(), external), external.provider)
 
 
-def _run_fix(name: str, settings: Settings, load: Any, provider: str | None = None) -> None:
-    status, _ = REGISTRY.get(name)
-    if status is PatchStatus.APPLIED or _isolation.has_failed(name):
-        # idempotent: a second activation leaves an applied patch alone, and one whose wrappers
+def _run(name: str, settings: Settings, load: Any = None, provider: str | None = None) -> None:
+    """One entry through the steps of this module's docstring; every outcome recorded, none raised
+    (unless strict). ``load``: name -> its ``Patch`` (default: ours, ``patches.load_patch``)."""
+    if REGISTRY.status_of(name) is PatchStatus.APPLIED or _isolation.has_failed(name):
+        # idempotent: a second activation leaves an applied entry alone, and one whose wrappers
         # failed at call time (they pass through to torch) keeps saying so
         return
     decision = settings.decision(name)
     if not decision.enabled:
         _record(name, PatchStatus.DISABLED, f"disabled by {decision.describe()}", decision)
         return
-    patch = _load_isolated(name, load, provider, settings, decision)
+    patch = _load_isolated(name, load or patches.load_patch, provider, settings, decision)
     if patch is None:
         return
     verdict = _verdict_isolated(patch, settings, decision)
     if verdict is None:
         return
     if verdict.status != Need.NEEDED:
-        _record(name, PatchStatus(verdict.status), verdict.reason, decision, verdict)
+        _record_not_applied(name, verdict, decision)
         return
     try:
         replaced = _patching.apply(patch)
     except Exception as error:
-        _record(name, PatchStatus.FAILED, f"{type(error).__name__}: {error}", decision)
-        logger.debug("patch %s failed", name, exc_info=True)
-        if settings.strict:
+        if _failed(name, PatchStatus.FAILED, f"{type(error).__name__}: {error}", error, settings, decision):
             raise
         return
-    reason = f"{verdict.reason} -> patched: {patch.changes} (wraps {replaced})"
+    reason = patch.changes if name in POLICIES else f"{verdict.reason} -> patched: {patch.changes} (wraps {replaced})"
     _record(name, PatchStatus.APPLIED, reason, decision, verdict)
 
 
@@ -172,8 +175,7 @@ def _load_isolated(name: str, load: Any, provider: str | None, settings: Setting
     except Exception as error:
         where = provider or _process.our_module_in(error)
         reason = f"loading the patch failed in {where}: {type(error).__name__}: {error}"
-        _record(name, PatchStatus.FAILED, reason, decision)
-        if settings.strict:
+        if _failed(name, PatchStatus.FAILED, reason, error, settings, decision):
             raise
         return None
 
@@ -185,12 +187,41 @@ def _verdict_isolated(patch: Patch, settings: Settings, decision: Decision) -> V
     except (ImportError, AttributeError) as error:
         # The internals the patch inspects are not there: this torch is shaped differently.
         reason = f"torch internals differ: {type(error).__name__}: {error}"
-        _record(patch.name, PatchStatus.UNSUPPORTED, reason, decision)
+        if _failed(patch.name, PatchStatus.UNSUPPORTED, reason, error, settings, decision):
+            raise
     except Exception as error:
-        _record(patch.name, PatchStatus.FAILED, f"check raised {type(error).__name__}: {error}", decision)
-        if settings.strict:
+        if _failed(patch.name, PatchStatus.FAILED, f"check raised {type(error).__name__}: {error}", error, settings,
+                   decision):
             raise
     return None
+
+
+def _failed(
+    name: str, status: PatchStatus, reason: str, error: BaseException, settings: Settings, decision: Decision
+) -> bool:
+    """Record a step that raised; True when strict mode wants the error to reach the caller: a fix's
+    or guard's failure, and a policy's only when the user asked for it by its variable."""
+    policy = name in POLICIES
+    failed = status is PatchStatus.FAILED
+    if policy:  # one wording for every step: "not armed", naming our module that raised
+        status = PatchStatus.FAILED
+        reason = f"not armed: {type(error).__name__}: {error} (in {_process.our_module_in(error)})"
+    # logged as a fix's would be: a policy that cannot act on this torch's internals is no warning
+    _record(name, status, reason, decision, level=logging.WARNING if failed else logging.DEBUG)
+    logger.debug("%s: %s", name, reason, exc_info=error)
+    return settings.strict and status is PatchStatus.FAILED and (not policy or decision.variable is not None)
+
+
+def _record_not_applied(name: str, verdict: Verdict, decision: Decision) -> None:
+    """Not needed or unsupported here. A policy the user switched on by its variable says so too: a
+    request that changed nothing must not pass unseen."""
+    if name not in POLICIES:
+        _record(name, PatchStatus(verdict.status), verdict.reason, decision, verdict)
+        return
+    message = f"requested but not applied: {verdict.reason}"
+    _record(name, PatchStatus(verdict.status), message, decision, verdict)
+    if decision.variable:
+        warn(decision.variable, f"{decision.describe()} {message}")
 
 
 def verdict_of(patch: Patch) -> Verdict:
@@ -208,30 +239,6 @@ def verdict_of(patch: Patch) -> Verdict:
     return _compat.decide(structural, _compat.torch_release(), SpecifierSet(patch.affected))
 
 
-def _run_policy(name: str, settings: Settings) -> None:
-    """A policy is recorded under ``policies`` only when it is switched on (its own variable)."""
-    decision = settings.decision(name)
-    if not decision.enabled:
-        return
-    try:
-        patch = patches.load_patch(name)
-        verdict = verdict_of(patch)
-        if verdict.status != Need.NEEDED:
-            message = f"requested but not applied: {verdict.reason}"
-            REGISTRY.record_policy(name, message, verdict.status)
-            if decision.variable:
-                warn(decision.variable, f"{decision.describe()} {message}")
-            return
-        _patching.apply(patch)
-        REGISTRY.record_policy(name, patch.changes)
-    except Exception as error:  # a policy is never a reason for the user's import to fail
-        where = _process.our_module_in(error)
-        REGISTRY.record_policy(name, f"not armed: {type(error).__name__}: {error} (in {where})", PatchStatus.FAILED)
-        logger.debug("policy %s not armed", name, exc_info=True)
-        if settings.strict and decision.variable is not None:
-            raise  # strict: a policy the user asked for by its variable must be in force
-
-
 def _ignore(variable: str, message: str) -> None:
     pass
 
@@ -245,11 +252,19 @@ def _read_settings_safely(names: tuple[str, ...], warn: Any = warn) -> Settings:
 
 
 def _record(
-    name: str, status: PatchStatus, reason: str, decision: Decision | None = None, verdict: Verdict | None = None
+    name: str, status: PatchStatus, reason: str, decision: Decision | None = None, verdict: Verdict | None = None,
+    level: int | None = None,
 ) -> None:
-    decided_by = verdict.decided_by if verdict is not None else ""
-    REGISTRY.record(name, status, reason, decided_by, decision)
-    level = logging.WARNING if status is PatchStatus.FAILED else logging.DEBUG  # INFO: _log_summary's one line
+    """Into the registry, and one log line: a WARNING for a failure, DEBUG otherwise (INFO is
+    ``_log_summary``'s)."""
+    if name in POLICIES:
+        if status is PatchStatus.DISABLED:
+            return  # a policy left off has no record: ``status().policies`` lists those switched on
+        REGISTRY.record_policy(name, reason, status)
+    else:
+        REGISTRY.record(name, status, reason, verdict.decided_by if verdict is not None else "", decision)
+    if level is None:
+        level = logging.WARNING if status is PatchStatus.FAILED else logging.DEBUG
     logger.log(level, "%s: %s (%s)", name, status.value, reason)
 
 

@@ -154,8 +154,6 @@ class Settings:
         patches: "Mapping[str, Decision] | None" = None,
         strict: bool = False,
         log_level: "str | None" = None,
-        reduce_scatter_unused_params: bool = False,
-        cross_rank_check: bool = True,
         third_party: bool = True,
         policies: "Mapping[str, bool] | None" = None,
     ) -> None:
@@ -166,19 +164,8 @@ class Settings:
         self.log_level = log_level
         self.third_party = third_party  # patches other installed distributions declare
         # policy name -> on? (each policy follows its own variable, or its catalogue default)
-        self.policies = {
-            "reduce_scatter_unused_params_default_on": reduce_scatter_unused_params,
-            "cross_rank_check": cross_rank_check,
-            **(policies or {}),
-        }
-
-    @property
-    def reduce_scatter_unused_params(self) -> bool:
-        return self.policies["reduce_scatter_unused_params_default_on"]
-
-    @property
-    def cross_rank_check(self) -> bool:
-        return self.policies["cross_rank_check"]
+        self.policies = {name: _catalogue.BY_NAME[name].default for name in _catalogue.POLICIES}
+        self.policies.update(policies or {})
 
     def __repr__(self) -> str:
         return f"Settings({self.__dict__!r})"

@@ -184,7 +184,7 @@ def _environment() -> list[Finding]:
         findings.append(Finding(
             "environment", WARNING, message, f"fix or unset {variable}"
         ))
-    if not settings.cross_rank_check:
+    if not settings.decision("cross_rank_check").enabled:
         # Off on some ranks only, the ranks that still check wait for the silent ones and then
         # blame them as "never reported": the value must be the same everywhere.
         findings.append(Finding(

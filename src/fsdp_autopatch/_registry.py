@@ -192,6 +192,7 @@ class Registry:
         self._lock = threading.Lock()
         self._records: dict[str, _Entry] = {}
         self._policies: dict[str, PolicyRecord] = {}
+        self._policy_findings: dict[str, dict[str, str]] = {}  # policy -> key -> what it found
         self._third_party_failure: str | None = None
         self._fired: dict[str, int] = {}
         self._torch_version: str | None = None
@@ -205,6 +206,7 @@ class Registry:
         with self._lock:
             self._records = {name: _Entry(PatchStatus.PENDING, _pending_reason(name)) for name in PATCH_NAMES}
             self._policies = {}
+            self._policy_findings = {}
             self._third_party_failure = None
             self._fired = {}
 
@@ -254,10 +256,17 @@ class Registry:
             self._fired[name] = count
             return count
 
-    def record_policy(self, name: str, description: str, status: PatchStatus | str = PatchStatus.APPLIED) -> None:
+    def record_policy(self, name: str, description: str, status: PatchStatus = PatchStatus.APPLIED) -> None:
         """A policy that was switched on: in force (``applied``) or why not (the other statuses)."""
         with self._lock:
-            self._policies[name] = PolicyRecord(name, PatchStatus(status), description)
+            self._policies[name] = PolicyRecord(name, status, description)
+            self._policy_findings.pop(name, None)
+
+    def add_policy_finding(self, name: str, key: str, finding: str) -> None:
+        """What a policy in force found while it ran (the cross-rank check: a process group it could
+        not compare), shown after its description, one per ``key``; its status stays as recorded."""
+        with self._lock:
+            self._policy_findings.setdefault(name, {})[key] = finding
 
     def record_third_party_failure(self, reason: str) -> None:
         """Discovering other distributions' patches failed: none of them is armed."""
@@ -274,9 +283,18 @@ class Registry:
         self._displaced = probe
 
     def get(self, name: str) -> tuple[PatchStatus, str]:
+        """A patch's status and reason (KeyError for a policy or an unknown name)."""
         with self._lock:
             entry = self._records[name]
             return entry.status, entry.reason
+
+    def status_of(self, name: str) -> PatchStatus | None:
+        """A patch's or policy's status; None for a policy without a record (not switched on)."""
+        with self._lock:
+            if name in self._records:
+                return self._records[name].status
+            policy = self._policies.get(name)
+            return policy.status if policy is not None else None
 
     def snapshot(self) -> StatusReport:
         torch_version = self._torch_version or _process.torch_version()
@@ -285,7 +303,11 @@ class Registry:
                 _explain_pending(_as_record(name, e, self._fired.get(name, 0)), torch_version)
                 for name, e in self._records.items()
             )
-            policy_records = tuple(replace(r, fired=self._fired.get(r.name, 0)) for r in self._policies.values())
+            policy_records = tuple(
+                replace(r, description=_with_findings(r.description, self._policy_findings.get(r.name)),
+                        fired=self._fired.get(r.name, 0))
+                for r in self._policies.values()
+            )
             third_party_failure = self._third_party_failure
         patches = tuple(_with_displacement(record, self._displaced) for record in patches)
         descriptions = {record.name: record.description for record in policy_records}
@@ -293,6 +315,10 @@ class Registry:
         return StatusReport(
             __version__, torch_version, started_by, patches, descriptions, policy_records, third_party_failure
         )
+
+
+def _with_findings(description: str, findings: dict[str, str] | None) -> str:
+    return "; ".join([description, *findings.values()]) if findings else description
 
 
 def _as_record(name: str, entry: _Entry, fired: int) -> PatchRecord:

@@ -154,7 +154,6 @@ def _forget_checked_groups() -> None:
     from fsdp_autopatch.patches import cross_rank_check
 
     cross_rank_check._checked_groups.clear()
-    cross_rank_check._skipped.clear()
 
 
 @scenario("threaded", gloo=False)

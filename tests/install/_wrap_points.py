@@ -116,17 +116,12 @@ def wrap_points() -> dict[str, tuple[str, str | None, str]]:
 
 
 def applied_entries(report: Mapping) -> dict[str, str]:
-    """A registry report's status per entry: each fix's and guard's, and ``applied`` for each policy
-    it lists as in force (a policy switched off is not listed; one whose check refused this torch is
-    listed as "requested but not applied: ...", one that raised as "not armed: ..."), since a policy's
-    wrappers sit on torch's attributes beside the fixes' and guards'."""
+    """A registry report's status per entry: each fix's and guard's, and each policy's that is switched
+    on (a policy left off has no record), since a policy's wrappers sit on torch's attributes beside
+    the fixes' and guards'."""
     patches = {p["name"]: p["status"] for p in report["patches"]}
-    policies = {name: "not applied" if text.startswith(NOT_IN_FORCE) else "applied"
-                for name, text in report.get("policies", {}).items()}
+    policies = {p["name"]: p["status"] for p in report.get("policy_records", ())}
     return {**patches, **policies}
-
-
-NOT_IN_FORCE = ("requested but not applied", "not armed")  # how _activate._run_policy words those
 
 
 def expected_wrappers(status: Mapping[str, str], missing: Sequence[str] = ()) -> dict[str, object]:

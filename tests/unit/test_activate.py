@@ -135,6 +135,28 @@ def test_activation_is_idempotent(monkeypatch, registry):
     assert [fake.applied for fake in fakes] == [1] * len(fakes)
 
 
+def test_a_policy_takes_the_same_steps_and_is_recorded_under_policies(monkeypatch, registry):
+    """Off: no record. On: applied once, described by its ``changes``. Failed at call time: a second
+    activation leaves it failed, as it leaves a patch (``_isolation``: its wrappers pass through)."""
+    from fsdp_autopatch import _isolation
+    from fsdp_autopatch._catalogue import POLICIES
+
+    fakes = [FakePatch(name, []) for name in PATCH_NAMES + POLICIES]
+    install_fakes(monkeypatch, fakes)
+    monkeypatch.setenv("FSDP_AUTOPATCH_CROSS_RANK_CHECK", "0")
+    monkeypatch.setenv("FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS", "1")
+    _activate.activate()
+    policy = "reduce_scatter_unused_params_default_on"
+    records = {record.name: record for record in registry.snapshot().policy_records}
+    assert "cross_rank_check" not in records
+    assert (records[policy].status, records[policy].description) == (PatchStatus.APPLIED, "changed")
+    monkeypatch.setitem(_isolation._failed, policy, "boom")
+    registry.record_call_failure(policy, "failed at call time: boom")
+    _activate.activate()
+    assert registry.status_of(policy) is PatchStatus.FAILED
+    assert [fake.applied for fake in fakes if fake.name == policy] == [1]
+
+
 def test_verdicts_become_statuses(monkeypatch, registry):
     log = []
     fakes = [FakePatch(name, log) for name in PATCH_NAMES]

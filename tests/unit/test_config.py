@@ -44,7 +44,7 @@ def test_other_values_are_not_booleans(raw):
 def test_defaults_enable_every_patch_and_nothing_else():
     settings, warnings = settings_for()
     assert settings.enabled and not settings.strict and settings.log_level is None
-    assert not settings.reduce_scatter_unused_params
+    assert not settings.decision("reduce_scatter_unused_params_default_on").enabled
     assert all(settings.decision(name) == Decision(True) for name in PATCH_NAMES)
     assert warnings.seen == []
 
@@ -107,7 +107,8 @@ def test_strict_and_policy_and_log_level():
     settings, warnings = settings_for(
         FSDP_AUTOPATCH_STRICT="1", FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS="true", FSDP_AUTOPATCH_LOG_LEVEL="debug"
     )
-    assert settings.strict and settings.reduce_scatter_unused_params and settings.log_level == "DEBUG"
+    assert settings.strict and settings.log_level == "DEBUG"
+    assert settings.decision("reduce_scatter_unused_params_default_on").enabled
     assert warnings.seen == []
     settings, warnings = settings_for(FSDP_AUTOPATCH_LOG_LEVEL="loud")
     assert settings.log_level is None and warnings.variables == ["FSDP_AUTOPATCH_LOG_LEVEL"]

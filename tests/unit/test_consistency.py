@@ -181,7 +181,7 @@ def test_the_check_is_on_by_default_and_can_be_switched_off(value, expected):
 
     environ = {} if value is None else {CROSS_RANK_CHECK: value}
     settings = read_settings(environ, warn=lambda variable, message: None)
-    assert settings.cross_rank_check is expected
+    assert settings.decision("cross_rank_check").enabled is expected
 
 
 class StoreWithout(FakeStore):
@@ -204,10 +204,9 @@ def clean_registry():
     from fsdp_autopatch._registry import REGISTRY
 
     REGISTRY.reset()
-    cross_rank_check._skipped.clear()
+    REGISTRY.record_policy(cross_rank_check.NAME, cross_rank_check.ARMED)  # as activation leaves it
     yield REGISTRY
     REGISTRY.reset()
-    cross_rank_check._skipped.clear()
 
 
 @pytest.mark.parametrize(
@@ -274,7 +273,6 @@ def test_a_proven_difference_is_raised_when_the_store_cannot_get(clean_registry)
 
 
 def test_the_fingerprint_does_not_change_when_a_group_is_skipped(clean_registry):
-    clean_registry.record_policy(cross_rank_check.NAME, cross_rank_check.ARMED)
     before = cross_rank_check.fingerprint()
     cross_rank_check.record_skip("3", "fake backend: ...")
     assert cross_rank_check.fingerprint() == before

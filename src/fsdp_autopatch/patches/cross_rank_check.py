@@ -58,7 +58,6 @@ _checked_groups: dict[str, Any] = {}  # group name -> group: each process group 
 # gpu_check's step cost) publishes under fresh keys, not to meet the previous round's counts and
 # "complete" key. Round 0 keeps earlier releases' keys: ranks of other versions meet, and are told.
 _round = 0
-_skipped: dict[str, str] = {}  # group name -> why it was not compared (shown in the policy)
 
 
 def fingerprint() -> dict[str, str]:
@@ -80,7 +79,6 @@ def _forget_the_groups() -> None:
     """Reverted: a later activation checks every group afresh, under fresh store keys."""
     global _round
     _checked_groups.clear()
-    _skipped.clear()
     _round += 1
 
 
@@ -93,10 +91,8 @@ def _key_prefix(group_name: str) -> str:
 
 def record_skip(group_name: str, reason: str) -> None:
     """Say in the registry why a group was not compared; the run goes on."""
-    _skipped[group_name] = reason
     logger.info("cross-rank check skipped for group %s: %s", group_name, reason)
-    details = "; ".join(f"skipped for group {name}: {why}" for name, why in list(_skipped.items()))
-    REGISTRY.record_policy(NAME, f"{ARMED}; {details}")
+    REGISTRY.add_policy_finding(NAME, group_name, f"skipped for group {group_name}: {reason}")
 
 
 def check_after_lazy_init(wrapped, state, args, kwargs):
