@@ -11,7 +11,8 @@ package docstring: ``.. generated: NAME`` and ``.. end generated``):
 * docs/configuration.md ``toggles``: one row per fix and guard variable;
 * docs/how-it-works.md ``ordering``: the catalogue's order, each entry's kind and ``after``;
 * docs/compatibility.md ``expected``: each fix's and guard's registry status per measured release,
-  from ``tests/expected.py``;
+  from ``tests/expected.py``; ``added-since``: the fixes and guards the last full matrix run (its
+  report's registry header) did not have;
 * CHANGELOG.md ``entries``: the fixes and guards added since 0.2.0, one line each;
 * src/fsdp_autopatch/__init__.py ``patches``: the docstring's list.
 
@@ -162,12 +163,29 @@ def expected_rows() -> str:
     return "\n".join(lines)
 
 
+def added_since() -> str:
+    """The fixes and guards the last full matrix run did not have (its registry header does not name
+    them): their measurements are on their pages, from their own tests per release."""
+    text = (ROOT / "docs" / "compatibility.md").read_text()
+    block = text[text.index("<!-- matrix:begin -->"):text.index("<!-- matrix:end -->")]
+    header = next(line for line in block.splitlines() if line.startswith("| torch | Python | run |"))
+    in_the_run = {cell.strip() for cell in header.split("|")}
+    newer = [patch for patch in _fixes() if patch.name not in in_the_run]
+    if not newer:
+        return "Every fix and guard was in that run."
+    lines = ["Added since that run, not yet in its table (each page says on which releases its own tests measured",
+             "it, and which were read, not run):", ""]
+    lines += [f"- [`{patch.name}`](patches/{patch.name}.md) ({patch.kind}, torch {torch_range(patch.affected)})"
+              for patch in newer]
+    return "\n".join(lines)
+
+
 # file -> [(block name, generator, comment style)]
 TARGETS = {
     ROOT / "README.md": [("patches", readme_table, "html"), ("demo-bugs", demo_bugs, "html")],
     ROOT / "docs" / "configuration.md": [("toggles", toggle_rows, "html")],
     ROOT / "docs" / "how-it-works.md": [("ordering", ordering, "html")],
-    ROOT / "docs" / "compatibility.md": [("expected", expected_rows, "html")],
+    ROOT / "docs" / "compatibility.md": [("expected", expected_rows, "html"), ("added-since", added_since, "html")],
     ROOT / "CHANGELOG.md": [("entries", changelog_entries, "html")],
     ROOT / "src" / "fsdp_autopatch" / "__init__.py": [("patches", init_list, "rst")],
 }
