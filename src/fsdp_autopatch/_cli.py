@@ -100,6 +100,10 @@ def _add_gpu_check(commands) -> None:
     gpu.add_argument("--only", nargs="+", metavar="PATCH",
                      choices=[e.name for e in _catalogue.ENTRIES if e.kind != _catalogue.POLICY],
                      help="only these patches' bug cases (no training, compile modes or cost)")
+    gpu.add_argument("--off-runs", nargs="+", metavar="PATCH",
+                     choices=[e.name for e in _catalogue.ENTRIES if e.kind != _catalogue.POLICY],
+                     help="run the bug with its patch off for these patches only (default: every case run; "
+                     "the plugin-on run of every case stays)")
     gpu.add_argument("--setup-json", help=argparse.SUPPRESS)  # scripts/gpu_check.py: its wheel and set-up times
 
 

@@ -2,10 +2,14 @@
 throwaway venv over the test run's interpreter (so that venv's torch is used and the ``.pth``
 activates the plugin as for a user), and runs that venv's ``fsdp-autopatch gpu-check --expected
 tests/expected.py``, which probes its interpreter and runs every bug case on 2 gloo ranks
-(``python -m fsdp_autopatch._gpu_check._rank``, from the wheel) with the plugin on and with each patch
-off, the training flavours, the compile modes' counters and the step cost, and writes its JSON
-report; the report is checked here against ``tests/expected.py`` for this torch. About 100 s on 2
-cores (small models).
+(``python -m fsdp_autopatch._gpu_check._rank``, from the wheel) with the plugin on, the bug with its
+patch off for the three entries of ``OFF_RUNS`` (``--off-runs``), the training flavours, the compile
+modes' counters and the step cost, and writes its JSON report; the report is checked here against
+``tests/expected.py`` for this torch. About 50 s on 2 cores (small models).
+
+Every entry's off-run is its case's, which ``tests/distributed/test_dist_cases.py`` runs once per
+suite; here three show that the check launches, judges and reports one: a fix, a guard, and bug (a),
+whose outcome without its patch differs between releases (``tests/expected.py``).
 
 The same command, unchanged, is what runs on a CUDA machine (``--device cuda``); this test keeps its
 logic working where CI runs (no GPU). Its options and the exits without ranks:
@@ -26,6 +30,7 @@ from _install_support import REPO, clean_env, describe, ex, run
 pytestmark = [pytest.mark.install, pytest.mark.timeout(600)]
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
+OFF_RUNS = ("accumulated_grad_guard", "inplace_view_output", "optimizer_unsharded_params_guard")
 
 
 def _torch_release() -> tuple[int, int] | None:
@@ -41,7 +46,8 @@ def gpu_check_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if release is None or release < ex.OLDEST_RUNNABLE:
         pytest.skip(f"FSDP2 on gloo needs torch >= 2.8 in the test run's environment (found {release})")
     out = tmp_path_factory.mktemp("gpu-check")
-    result = run([sys.executable, SCRIPT, "--device", "cpu", "--out", out], env=clean_env(), timeout=420)
+    result = run([sys.executable, SCRIPT, "--device", "cpu", "--out", out, "--off-runs", *OFF_RUNS], env=clean_env(),
+                 timeout=420)
     assert result.returncode == 0, describe(result)
     assert "gpu check: OK" in result.stdout, describe(result)
     report = json.loads((Path(out) / "report.json").read_text())
@@ -87,6 +93,8 @@ def test_every_patch_is_right_with_the_plugin_on(gpu_check_report: dict) -> None
 def test_the_bug_shows_with_its_patch_off_where_expected_says_so(gpu_check_report: dict) -> None:
     release = ex.release_of(gpu_check_report["machine"]["torch"])
     outcome = ex.unpatched_outcome(release)
+    off_rows = [name for name, row in gpu_check_report["patches"].items() if "off" in row]
+    assert off_rows == [name for name in ex.PATCHES if name in OFF_RUNS], off_rows
     for name, row in gpu_check_report["patches"].items():
         if "off" not in row:
             continue

@@ -67,6 +67,11 @@ def test_the_plan_runs_every_case_by_entry_name() -> None:
     assert on.env == {} and off.env == {"FSDP_AUTOPATCH_ENABLED": "0"}
     only = _plan.plan("cpu", 2, {}, ["keep_param_attributes"])
     assert only[0].cases == ["keep_param_attributes"] and not any(x.kind == "compile" for x in only)
+    # --off-runs: every case still runs with the plugin on, the off-runs only for the patches named
+    some = _plan.plan("cpu", 2, {}, off_runs=["uniform_reduce_dtype"])
+    assert some[0].cases == launches[0].cases
+    assert [x.name for x in some if x.name.endswith(" off")] == ["uniform_reduce_dtype off"]
+    assert [x.name for x in some[-5:]] == [x.name for x in launches[-5:]]
 
 
 def test_expected_gives_letters_and_off_outcomes_by_entry() -> None:

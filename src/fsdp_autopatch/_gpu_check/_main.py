@@ -128,7 +128,8 @@ def _check(args, device: str, expected: Any, tmp: Path, started: float, deadline
           f"{Path(found['torch_file']).parent.parent}, plugin {found['plugin_version']} from "
           f"{Path(found['plugin_file']).parent} (its .pth); {device}, world size {world_size}", flush=True)
     backend = args.compile_backend or plan.COMPILE_BACKEND[device]
-    launches = plan.plan(device, world_size, {**plan.COST_SPECS[device], "cases": ["fill_off", "fill_on"]}, args.only)
+    launches = plan.plan(device, world_size, {**plan.COST_SPECS[device], "cases": ["fill_off", "fill_on"]}, args.only,
+                         args.off_runs)
     results: dict[str, dict] = {}
 
     def one(launch: plan.Launch, reserve: float) -> None:

@@ -109,13 +109,16 @@ class Launch:
     solo: bool = False  # run with nothing else on the machine (timings)
 
 
-def plan(device: str, world_size: int, cost_spec: dict, only: list[str] | None = None) -> list[Launch]:
-    """The launches, in the order they run: the patched bug cases, each bug with its patch off, the
-    training flavours on and off, the compile modes on and off, the step cost."""
+def plan(device: str, world_size: int, cost_spec: dict, only: list[str] | None = None,
+         off_runs: list[str] | None = None) -> list[Launch]:
+    """The launches, in the order they run: the patched bug cases, each bug with its patch off (only
+    those in ``off_runs`` when given), the training flavours on and off, the compile modes on and off,
+    the step cost."""
     run = [p for p in PATCHES if strikes(p.name, world_size, device)[1] and (not only or p.name in only)]
     flavours = [f for f in TRAINING if device == "cuda" or f != "train_offload"]
     launches = [Launch("plugin on: bug cases", [p.name for p in run])]
-    launches += [Launch(f"{p.name} off", [p.name], {variable(p.name): "0"}) for p in run]
+    launches += [Launch(f"{p.name} off", [p.name], {variable(p.name): "0"})
+                 for p in run if not off_runs or p.name in off_runs]
     if not only:
         launches.append(Launch("plugin on: training", flavours, kind="training"))
         launches.append(Launch("plugin off: training", flavours, {"FSDP_AUTOPATCH_ENABLED": "0"}, kind="training"))

@@ -80,7 +80,11 @@ def patch_rows(launches: dict[str, dict], world_size: int, expected: dict[str, s
             row["on"] = outcome(launches.get("plugin on: bug cases"), patch.name)
             if statuses.get(patch.name) == "unsupported":
                 row["on"]["judged"], row["note"] = False, UNSUPPORTED_NOTE
-            row["off"] = outcome(launches.get(f"{patch.name} off"), patch.name)
+            if f"{patch.name} off" not in launches:  # its off-run not selected (--off-runs): no "off"
+                row["off_agrees"] = None
+                rows[patch.name] = row
+                continue
+            row["off"] = outcome(launches[f"{patch.name} off"], patch.name)
             row["bug_seen_off"] = row["off"]["ran"] and not row["off"]["right"]
             row["off_agrees"] = agrees(row["expected_off"], row["bug_seen_off"]) if row["off"]["ran"] else None
         rows[patch.name] = row
@@ -222,7 +226,7 @@ def table(report: dict[str, Any]) -> str:
         agree = {True: "yes", False: "NO", None: "-"}[row["off_agrees"]]
         here = "yes" if row["strikes_at_this_world_size"] else "no"
         out.append(f"{name:<34} {row['bug']:<3} {here:<5} {_cell(row['on'], False)[:10]:<10} {agree:<10} "
-                   f"{_cell(row['off'], True)}")
+                   f"{_cell(row['off'], True) if 'off' in row else 'not run (--off-runs)'}")
         if row["note"] and (row["strikes_at_this_world_size"] is False or not row["on"].get("judged", True)):
             out.append(f"{'':<38}({row['note']})")
     out += ["", "training, the first four bugs at once (bf16 params, fp32 reduce, accumulation, fill on):"]
