@@ -331,8 +331,7 @@ def _undo(done: list[tuple[Any, str, Any]], ours: list[Any], sites: dict[int, li
             for site, name in sites.get(id(installed), ()):
                 if (site, name) != (owner, attribute) and vars(site).get(name) is installed:
                     setattr(site, name, original)
-                    # a wrapper under ours is undone next, and with it this copy
-                    sites.setdefault(id(original), []).append((site, name))
+                    sites.setdefault(id(original), []).append((site, name))  # see below
         if original is _MISSING:
             try:
                 delattr(owner, attribute)
@@ -340,6 +339,9 @@ def _undo(done: list[tuple[Any, str, Any]], ours: list[Any], sites: dict[int, li
                 pass
         else:
             setattr(owner, attribute, original)
+            # every place that now holds ``original``: if it is a wrapper of an earlier patch (ours
+            # or another's), that patch's revert comes next and finds its copies here
+            sites.setdefault(id(original), []).append((owner, attribute))
 
 
 def _wrapper_of(value: Any) -> Any:

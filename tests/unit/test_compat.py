@@ -136,3 +136,33 @@ def test_state_param_groups_across_versions():
 )
 def test_vendor_and_dev_versions_are_parsed_and_shown_as_they_call_themselves(raw, shown):
     assert _compat.version_text(_compat.parse_torch_version(raw), raw) == shown
+
+
+def test_revert_all_restores_a_copy_of_a_wrapper_wrapped_again(monkeypatch):
+    """A wraps ``torch.a.f``; ``torch.b`` copies ``f`` after that (as ``torch.distributed.fsdp`` re-exports
+    ``fully_shard``); B wraps both places. One ``revert_all`` gives both places torch's object back."""
+    import sys
+    import types
+
+    monkeypatch.setattr(_patching, "_applied", {})
+    monkeypatch.setattr(_patching, "_ours", {})
+    monkeypatch.setattr(_patching, "_forgetting", {})
+    module_a, module_b = types.ModuleType("torch._autopatch_test_a"), types.ModuleType("torch._autopatch_test_b")
+    monkeypatch.setitem(sys.modules, module_a.__name__, module_a)
+    monkeypatch.setitem(sys.modules, module_b.__name__, module_b)
+
+    def original():
+        return "torch"
+
+    def wrapper_a():
+        return "A"
+
+    def wrapper_b():
+        return "B"
+
+    module_a.f = original
+    _patching.replace_all("A", [(module_a, "f", wrapper_a)])
+    module_b.f = module_a.f
+    _patching.replace_all("B", [(module_a, "f", wrapper_b), (module_b, "f", wrapper_b)])
+    _patching.revert_all()
+    assert (module_a.f, module_b.f) == (original, original)
