@@ -39,23 +39,7 @@ def torchrun(node_envs: list[dict[str, str]], nproc_per_node: int, script: Path 
         cmd = [sys.executable, "-m", "torch.distributed.run", *topology,
                f"--nproc-per-node={nproc_per_node}", str(script), *args]
         jobs.append((cmd, env))
-    return run_agents(jobs, timeout)
-
-
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
-def torchrun_to_succeed(node_envs: list[dict[str, str]], nproc_per_node: int) -> list[subprocess.CompletedProcess]:
-    """:func:`torchrun` for a run that must succeed. Run once more when it failed only by gloo's abort
-    at interpreter exit, after every rank had reported (docs/troubleshooting.md: torch's teardown,
-    with or without the plugin, rare, seen here under load): that abort says nothing of the run."""
-    results = torchrun(node_envs, nproc_per_node)
-    failed = any(r.returncode != 0 for r in results)
-    if failed and len(rank_reports(results)) == len(node_envs) * nproc_per_node and any(
-            TEARDOWN_ABORT in r.stderr for r in results):
-        print(f"torchrun: only the teardown abort, run again\n{describe(results)}")
-        results = torchrun(node_envs, nproc_per_node)
-    return results
+    return run_agents(jobs, timeout, ranks=len(node_envs) * nproc_per_node)
 
 
 def rank_reports(results: list[subprocess.CompletedProcess]) -> dict[int, dict]:
@@ -77,7 +61,7 @@ def describe(results) -> str:
 
 
 def test_standalone_two_ranks_are_protected():
-    results = torchrun_to_succeed([{}], nproc_per_node=2)
+    results = torchrun([{}], nproc_per_node=2)
     assert results[0].returncode == 0, describe(results)
     reports = rank_reports(results)
     assert sorted(reports) == [0, 1], describe(results)
@@ -107,7 +91,7 @@ def test_each_patch_off_the_script_fails_where_the_bug_exists(patch, bug, sympto
 
 
 def test_two_nodes_with_the_same_environment():
-    results = torchrun_to_succeed([{}, {}], nproc_per_node=1)
+    results = torchrun([{}, {}], nproc_per_node=1)
     assert [r.returncode for r in results] == [0, 0], describe(results)
     reports = rank_reports(results)
     assert sorted(reports) == [0, 1] and all(r["ok"] for r in reports.values()), describe(results)

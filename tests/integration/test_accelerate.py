@@ -198,7 +198,7 @@ print(json.dumps({"rank": RANK, "plugin_path": plugin_path, "load_time_path": lo
 
 def run_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     """One launcher (torchrun or accelerate launch) and its ranks; all killed on timeout."""
-    return run_agents([(cmd, env)], JOB_TIMEOUT_S, cwd=cwd)[0]
+    return run_agents([(cmd, env)], JOB_TIMEOUT_S, cwd=cwd, ranks=2)[0]
 
 
 def job_env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
