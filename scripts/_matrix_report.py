@@ -203,7 +203,8 @@ def update_docs(table: str, begin: str = BEGIN, end: str = END, source: dict | N
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     doc.write_text(f"{head}{begin}\n{table}{end}{tail}")
-    log(f"updated {doc.relative_to(ROOT)}")
+    log(f"updated {doc.relative_to(ROOT)}; now run scripts/gen_docs.py in the project's venv: its "
+        "'added-since' block lists the entries this table lacks")
     if source is not None:
         MATRIX_JSON.write_text(json.dumps(source, indent=2) + "\n")
         log(f"updated {MATRIX_JSON.relative_to(ROOT)}")
