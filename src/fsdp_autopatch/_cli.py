@@ -20,7 +20,7 @@ from typing import Any
 
 from . import _catalogue, _hook, _process, patches
 from ._columns import shorten, table, terminal_width, wrap
-from ._config import KILL_SWITCH, PREFIX
+from ._config import KILL_SWITCH, PREFIX, read_settings
 from ._registry import REGISTRY, PatchRecord, PatchStatus, PolicyRecord, StatusReport
 from ._version import __version__
 
@@ -102,8 +102,8 @@ def _add_gpu_check(commands) -> None:
                      help="only these patches' bug cases (no training, compile modes or cost)")
     gpu.add_argument("--off-runs", nargs="+", metavar="PATCH",
                      choices=[e.name for e in _catalogue.ENTRIES if e.kind != _catalogue.POLICY],
-                     help="run the bug with its patch off for these patches only (default: every case run; "
-                     "the plugin-on run of every case stays)")
+                     help="the plugin-off runs of these patches only (default: every patch whose case runs); "
+                     "every case still runs with the plugin on")
     gpu.add_argument("--setup-json", help=argparse.SUPPRESS)  # scripts/gpu_check.py: its wheel and set-up times
 
 
@@ -194,8 +194,19 @@ def _opt_in_footer(report: StatusReport, width: int) -> list[str]:
     lines = []
     for name in _catalogue.POLICIES:
         if name not in report.policies:
-            lines += _wrap(f"policy {name}: off ({_catalogue.BY_NAME[name].toggle}=1 switches it on)", width)
+            lines += _wrap(f"policy {name}: off ({_why_off(name)})", width)
     return lines
+
+
+def _why_off(name: str) -> str:
+    """How to switch a policy on that is off here: its variable, unless the kill switch is why."""
+    stopped = _process.disabled_at_start()
+    if stopped is not None:
+        return f"{KILL_SWITCH}={stopped.strip()} at interpreter start: nothing armed"
+    decision = read_settings(warn=lambda variable, message: None).decision(name)
+    if decision.variable == KILL_SWITCH:
+        return f"{decision.describe()}: every patch and policy is off"
+    return f"{_catalogue.BY_NAME[name].toggle}=1 switches it on"
 
 
 def _failures(report: StatusReport, width: int, most: int = 3) -> list[str]:
@@ -272,7 +283,7 @@ def _entry_lines(record: PatchRecord) -> list[str]:
 def _policy_lines(name: str, policy: PolicyRecord | None) -> list[str]:
     variable = _catalogue.BY_NAME[name].toggle
     if policy is None:
-        return [f"{name}: policy, off", f"  toggle: {variable}=1 switches it on"]
+        return [f"{name}: policy, off", f"  why: {_why_off(name)}", f"  toggle: {variable}=0|1"]
     return [f"{name}: policy, {policy.status.value}, fired {policy.fired} time{'' if policy.fired == 1 else 's'}",
             *_wrapped("what", policy.description),
             f"  toggle: {variable}=0|1"]
@@ -309,6 +320,7 @@ def format_table(report: StatusReport, width: int | None = None) -> str:
         lines += wrap(f"toggle: {record.env}=0|1{source}", width, first=indent, rest=indent)
     for name, description in report.policies.items():
         lines += wrap(f"policy {name}: {description}", width)
+    lines += _opt_in_footer(report, width)  # as in ``status``: what is off, and how to switch it on
     if report.bootstrap == "not_run":
         lines += wrap(_NOT_RUN, width, rest="")
     return "\n".join(lines)

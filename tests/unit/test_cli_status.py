@@ -115,6 +115,11 @@ def test_verbose_format_wraps_under_the_reason_column():
         "compiled_autograd_guard  disabled         3  disabled by FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED=0",
         "                                             toggle: FSDP_AUTOPATCH_COMPILED_AUTOGRAD_GUARD_ENABLED=0|1",
         "policy cross_rank_check: once per process group at the root's first forward",
+        # as in ``status``: the policies that are off, each with how to switch it on
+        "policy reduce_scatter_unused_params_default_on: off "
+        "(FSDP_AUTOPATCH_REDUCE_SCATTER_UNUSED_PARAMS=1 switches it on)",
+        "policy pending_grads_warning: off (FSDP_AUTOPATCH_PENDING_GRADS_WARNING=1 switches it on)",
+        "policy zero_grad_discards_pending_grads: off (FSDP_AUTOPATCH_ZERO_GRAD_DISCARDS_PENDING=1 switches it on)",
     ]
 
 
@@ -193,6 +198,21 @@ def test_shorten_and_table():
     assert shorten("short", 10) == "short"
     assert table([("a", "1", "text"), ("long name", "22", "more text")], right=frozenset({1})) == [
         "a           1  text", "long name  22  more text"]
+
+
+def test_a_policy_off_by_the_kill_switch_is_not_told_to_set_its_own_variable(monkeypatch):
+    """Its own variable would change nothing: the footer and ``status NAME`` name the kill switch."""
+    from fsdp_autopatch import _process
+
+    report = _report()
+    monkeypatch.setenv("FSDP_AUTOPATCH_ENABLED", "0")
+    text = " ".join(_cli.format_summary(report, width=100).split())
+    assert "policy pending_grads_warning: off (FSDP_AUTOPATCH_ENABLED=0: every patch and policy is off)" in text
+    monkeypatch.setattr(_process, "disabled_at_start", lambda: "0")
+    text = " ".join(_cli.format_summary(report, width=100).split())
+    assert "policy pending_grads_warning: off (FSDP_AUTOPATCH_ENABLED=0 at interpreter start: nothing armed)" in text
+    lines = _cli._policy_lines("cross_rank_check", None)
+    assert "  why: FSDP_AUTOPATCH_ENABLED=0 at interpreter start: nothing armed" in lines
 
 
 def test_the_footer_lists_the_policies_that_are_off_with_their_variable():
