@@ -227,7 +227,7 @@ def worker(mode: str, backend: str, steps: int, out: str) -> None:
         result["ours"]["recompiles"] = recompiles.count - result["recompiles"]
     with open(f"{out}.{rank}", "w") as handle:
         json.dump(result, handle)
-    dist.barrier()  # no rank tears gloo down while its peer still talks to it
+    dist.barrier()  # no rank leaves while its peer still waits on it in a collective
     dist.destroy_process_group()
 
 

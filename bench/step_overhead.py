@@ -351,8 +351,9 @@ def worker(case: str, mode: str, blocks: int, steps: int, out: str) -> None:
                 },
                 handle,
             )
-    # every rank waits for the others: a rank that tears gloo down while a peer still
-    # talks to it can abort in gloo's teardown ("terminate called ...", seen in CI).
+    # Every rank past its last collective before any leaves: a peer still waiting on a rank that has
+    # exited fails with gloo's 'Connection closed by peer'. (A rare abort at exit, 'terminate called
+    # without an active exception', is another thing: docs/troubleshooting.md.)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -243,8 +243,9 @@ def main() -> int:
         "accelerate": accelerate.__version__,
         "torch": torch.__version__,
     }), flush=True)
-    # Every rank past its last collective before any tears gloo down: a rank that exits while its
-    # peer still talks to it can abort in gloo's teardown ("terminate called without an active exception").
+    # Every rank past its last collective before any leaves: a peer still waiting on a rank that has
+    # exited fails with gloo's 'Connection closed by peer'. (A rare abort at exit, 'terminate called
+    # without an active exception', is another thing: docs/troubleshooting.md.)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group
     return 0 if not problems else 1

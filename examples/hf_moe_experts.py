@@ -292,8 +292,9 @@ def main() -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }), flush=True)
-    # every rank waits for the others: a rank that tears gloo down while a peer still
-    # talks to it can abort in gloo's teardown ("terminate called ...", seen in CI).
+    # Every rank past its last collective before any leaves: a peer still waiting on a rank that has
+    # exited fails with gloo's 'Connection closed by peer'. (A rare abort at exit, 'terminate called
+    # without an active exception', is another thing: docs/troubleshooting.md.)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if not problems else 1

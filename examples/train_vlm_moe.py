@@ -121,8 +121,9 @@ def main() -> int:
         "fsdp_autopatch_applied": applied_by_the_plugin(),
         "torch": torch.__version__,
     }), flush=True)
-    # Every rank past its last collective before any tears gloo down: a rank that exits while
-    # its peer still talks to it can abort in gloo's teardown ("terminate called ...").
+    # Every rank past its last collective before any leaves: a peer still waiting on a rank that has
+    # exited fails with gloo's 'Connection closed by peer'. (A rare abort at exit, 'terminate called
+    # without an active exception', is another thing: docs/troubleshooting.md.)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if not problems else 1
