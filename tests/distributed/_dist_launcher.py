@@ -165,8 +165,10 @@ def run_agents(
 
     ``ranks``: how many ``{"rank": ...}`` reports the script prints. A run that failed only by gloo's
     abort at interpreter exit, after every rank had reported, is run once more (docs/troubleshooting.md:
-    torch's teardown, with or without the plugin, rare, seen under load): that abort says nothing of
-    the run, and a second one is reported as it is.
+    gloo's worker releasing a work launched in backward while the interpreter finalizes, with or
+    without the plugin, rare). The examples run here are users' scripts, left as users write them;
+    a script of our own leaves with ``os._exit`` instead. That abort says nothing of the run, and a
+    second one is reported as it is.
     """
     results = _run_agents_once(jobs, timeout, cwd)
     if ranks is not None and _only_the_teardown_abort(results, ranks):
